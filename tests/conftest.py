@@ -1,0 +1,88 @@
+"""Shared fixtures: checkpoints written by the real `safetensors` package, and leak checks."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import struct
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from weightstream.bench.demo import LlamaShape, llama_state_dict
+
+TINY_LLAMA = LlamaShape(hidden=64, intermediate=160, layers=3, vocab=96)
+
+
+@pytest.fixture
+def tiny_state() -> dict[str, torch.Tensor]:
+    return llama_state_dict(TINY_LLAMA, seed=1)
+
+
+def save_hf_sharded(state: dict[str, torch.Tensor], directory: Path, shards: int) -> Path:
+    """The Hugging Face sharded layout, written by the `safetensors` package itself."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = list(state)
+    weight_map = {}
+    for number in range(shards):
+        part = names[number::shards]
+        file_name = f"model-{number + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({name: state[name] for name in part}, str(directory / file_name), metadata={"format": "pt"})
+        weight_map.update({name: file_name for name in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+def raw_file(path: Path, header: object, data: bytes = b"", *, length: int | None = None) -> Path:
+    """A file with an arbitrary header (a JSON-able object or raw bytes) and data section."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+def assert_same(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert list(sorted(loaded)) == list(sorted(expected))
+    for name, tensor in expected.items():
+        got = loaded[name]
+        assert got.dtype == tensor.dtype, name
+        assert got.shape == tensor.shape, name
+        assert got.device.type == "cpu", name
+        if tensor.numel():
+            assert bytes(got.contiguous().view(-1).view(torch.uint8).numpy()) == bytes(
+                tensor.contiguous().view(-1).view(torch.uint8).numpy()
+            ), name
+
+
+def snapshot() -> tuple[set[int], set[str]]:
+    gc.collect()
+    threads = {thread.ident for thread in threading.enumerate()}
+    fds = set(os.listdir("/proc/self/fd"))
+    return threads, fds
+
+
+@pytest.fixture
+def no_leaks():
+    """Fails the test if it leaves threads, file descriptors or temporary files behind."""
+    threads_before, fds_before = snapshot()
+    temp_before = set(os.listdir(tempfile.gettempdir()))
+    yield
+    threads_after, fds_after = snapshot()
+    leaked_threads = [t.name for t in threading.enumerate() if t.ident in threads_after - threads_before]
+    assert not leaked_threads, f"threads leaked: {leaked_threads}"
+    leaked_fds = {fd: _fd_target(fd) for fd in fds_after - fds_before}
+    leaked_fds = {fd: target for fd, target in leaked_fds.items() if target is not None}
+    assert not leaked_fds, f"file descriptors leaked: {leaked_fds}"
+    stray = set(os.listdir(tempfile.gettempdir())) - temp_before
+    assert not stray, f"temporary files left behind: {sorted(stray)}"
+
+
+def _fd_target(fd: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:  # the fd listdir itself used
+        return None

@@ -1,0 +1,50 @@
+"""weightstream: LLM weights from storage into memory at the speed of the hardware.
+
+Example:
+    >>> import weightstream
+    >>> weights = weightstream.load_weights("model/")  # doctest: +SKIP
+"""
+
+from weightstream.api import iter_weights, load_weights, plan_load, resolve_format
+from weightstream.errors import (
+    FormatError,
+    HeaderError,
+    InvalidOptionError,
+    LoaderRegistrationError,
+    NotFound,
+    OptionError,
+    ShardIndexError,
+    SourceError,
+    TensorNotFound,
+    TruncatedFileError,
+    UnknownFormatError,
+    UnsupportedInputError,
+    WeightstreamError,
+)
+from weightstream.options import LoadOptions
+from weightstream.registry import available_loaders, register_loader
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FormatError",
+    "HeaderError",
+    "InvalidOptionError",
+    "LoadOptions",
+    "LoaderRegistrationError",
+    "NotFound",
+    "OptionError",
+    "ShardIndexError",
+    "SourceError",
+    "TensorNotFound",
+    "TruncatedFileError",
+    "UnknownFormatError",
+    "UnsupportedInputError",
+    "WeightstreamError",
+    "available_loaders",
+    "iter_weights",
+    "load_weights",
+    "plan_load",
+    "register_loader",
+    "resolve_format",
+]

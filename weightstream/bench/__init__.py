@@ -1,0 +1,1 @@
+"""Benchmarks: demo checkpoints, peer loaders, machine limits, interleaved rounds."""

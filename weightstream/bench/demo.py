@@ -1,0 +1,128 @@
+"""Llama-shaped random checkpoints in the Hugging Face sharded layout.
+
+Used by ``weightstream bench`` (without a URI) and by the tests. Names and shapes follow
+Llama (grouped-query attention, gated MLP); the values are random.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import torch
+
+from weightstream.formats.index import INDEX_NAME
+from weightstream.formats.writer import write_safetensors
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaShape:
+    """The dimensions of a Llama-style model."""
+
+    hidden: int = 2048
+    intermediate: int = 5632
+    layers: int = 8
+    vocab: int = 32000
+    kv_heads_fraction: int = 4
+    """Key/value projections are ``hidden / kv_heads_fraction`` wide (grouped-query attention)."""
+
+    def tensor_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        h, kv = self.hidden, self.hidden // self.kv_heads_fraction
+        yield "model.embed_tokens.weight", (self.vocab, h)
+        for layer in range(self.layers):
+            prefix = f"model.layers.{layer}."
+            yield prefix + "input_layernorm.weight", (h,)
+            yield prefix + "self_attn.q_proj.weight", (h, h)
+            yield prefix + "self_attn.k_proj.weight", (kv, h)
+            yield prefix + "self_attn.v_proj.weight", (kv, h)
+            yield prefix + "self_attn.o_proj.weight", (h, h)
+            yield prefix + "post_attention_layernorm.weight", (h,)
+            yield prefix + "mlp.gate_proj.weight", (self.intermediate, h)
+            yield prefix + "mlp.up_proj.weight", (self.intermediate, h)
+            yield prefix + "mlp.down_proj.weight", (h, self.intermediate)
+        yield "model.norm.weight", (h,)
+        yield "lm_head.weight", (self.vocab, h)
+
+    def nbytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        return sum(math.prod(shape) for _, shape in self.tensor_shapes()) * dtype.itemsize
+
+    @classmethod
+    def of_size(cls, target_bytes: int, dtype: torch.dtype = torch.bfloat16) -> LlamaShape:
+        """The 2048-wide shape whose layer count brings it closest to ``target_bytes``.
+
+        Example:
+            >>> LlamaShape.of_size(1 << 30).layers
+            9
+        """
+        base = cls(layers=0).nbytes(dtype)
+        per_layer = cls(layers=1).nbytes(dtype) - base
+        return cls(layers=max(1, round((target_bytes - base) / per_layer)))
+
+
+def llama_state_dict(shape: LlamaShape, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors with Llama names and shapes.
+
+    Example:
+        >>> sd = llama_state_dict(LlamaShape(hidden=64, intermediate=128, layers=2, vocab=100))
+        >>> sd["model.layers.1.mlp.down_proj.weight"].shape
+        torch.Size([64, 128])
+    """
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.empty(dims, dtype=dtype).normal_(0, 0.02, generator=generator) for name, dims in shape.tensor_shapes()}
+
+
+def write_sharded(state_dict: dict[str, torch.Tensor], directory: str | os.PathLike[str], shards: int) -> list[str]:
+    """Write ``state_dict`` as ``shards`` files plus ``model.safetensors.index.json``; returns the file paths."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    total = sum(t.numel() * t.element_size() for t in state_dict.values())
+    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(shards)]
+    written = 0
+    for name, tensor in state_dict.items():
+        groups[min(shards - 1, written * shards // max(total, 1))][name] = tensor
+        written += tensor.numel() * tensor.element_size()
+    paths, weight_map = [], {}
+    for number, group in enumerate(groups, start=1):
+        file_name = f"model-{number:05d}-of-{shards:05d}.safetensors"
+        paths.append(os.path.join(directory, file_name))
+        write_safetensors(paths[-1], group, {"format": "pt"})
+        weight_map.update({name: file_name for name in group})
+    with open(os.path.join(directory, INDEX_NAME), "w") as index:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, index, indent=2)
+    return paths
+
+
+def demo_checkpoint(size_bytes: int = GIB, shards: int = 2, cache_dir: str | None = None) -> str:
+    """The path of a cached demo checkpoint of about ``size_bytes``, built on first use.
+
+    Example:
+        >>> path = demo_checkpoint(256 << 20)  # doctest: +SKIP
+    """
+    cache_dir = cache_dir or os.environ.get("WEIGHTSTREAM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "weightstream"))
+    shape = LlamaShape.of_size(size_bytes)
+    target = os.path.join(cache_dir, f"demo-llama-{shape.layers}l-{shards}s")
+    if os.path.exists(os.path.join(target, INDEX_NAME)):
+        return target
+    os.makedirs(cache_dir, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".demo-", dir=cache_dir)
+    try:
+        write_sharded(llama_state_dict(shape), staging, shards)
+        os.replace(staging, target)
+    except OSError:
+        if os.path.exists(os.path.join(target, INDEX_NAME)):  # another process won the race
+            shutil.rmtree(staging, ignore_errors=True)
+            return target
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+

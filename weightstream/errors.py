@@ -1,0 +1,66 @@
+"""The one error hierarchy of weightstream.
+
+Every error raised on purpose is a :class:`WeightstreamError`. Each leaf also
+subclasses the built-in exception a caller would naturally catch, so
+``except ValueError`` around a load of a corrupt file keeps working.
+Messages name the file, the tensor, the byte offsets, and what was expected
+against what was found.
+"""
+
+from __future__ import annotations
+
+
+class WeightstreamError(Exception):
+    """Root of every error weightstream raises on purpose."""
+
+
+class OptionError(WeightstreamError, TypeError):
+    """An option name is unknown, or an option has a value of the wrong type."""
+
+
+class InvalidOptionError(WeightstreamError, ValueError):
+    """An option has a value outside what it accepts, or the loader cannot honour it."""
+
+
+class UnknownFormatError(WeightstreamError, ValueError):
+    """No loader is registered under the requested format name."""
+
+
+class LoaderRegistrationError(WeightstreamError, ValueError):
+    """A loader could not be registered or imported."""
+
+
+class UnsupportedInputError(WeightstreamError, ValueError):
+    """The input is of a kind weightstream refuses (pickle files, unknown URI schemes)."""
+
+
+class FormatError(WeightstreamError, ValueError):
+    """The bytes of a checkpoint do not follow their format."""
+
+
+class HeaderError(FormatError):
+    """A safetensors header breaks a rule of the safetensors specification."""
+
+
+class ShardIndexError(FormatError):
+    """A ``model.safetensors.index.json`` file is malformed or inconsistent."""
+
+
+class TruncatedFileError(FormatError, EOFError):
+    """A file ends before the bytes its header declares."""
+
+
+class NotFound(WeightstreamError, FileNotFoundError):
+    """A file or directory named by the caller or by an index does not exist."""
+
+
+class SourceError(WeightstreamError, OSError):
+    """Reading from a source failed with an operating-system error."""
+
+
+class TensorNotFound(WeightstreamError, KeyError):
+    """A tensor asked for by name is not in the checkpoint."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its argument; a sentence reads better unquoted.
+        return str(self.args[0]) if self.args else ""

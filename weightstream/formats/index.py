@@ -1,0 +1,83 @@
+"""The Hugging Face sharded layout: ``model.safetensors.index.json``.
+
+The index maps each tensor name to the shard file holding it. Shard names must stay
+inside the checkpoint directory: relative, no ``..``, no scheme.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from weightstream.errors import ShardIndexError
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 256 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardIndex:
+    """A validated index: tensor name -> shard file name (relative to the directory)."""
+
+    weight_map: Mapping[str, str]
+    metadata: Mapping[str, Any]
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        """Shard names in first-mention order, each once."""
+        return tuple(dict.fromkeys(self.weight_map.values()))
+
+
+def parse_index(raw: bytes, file: str) -> ShardIndex:
+    """Parse and validate the bytes of an index file.
+
+    Raises:
+        ShardIndexError: not a JSON object with a ``weight_map`` of string -> safe relative name,
+            or a tensor listed twice.
+
+    Example:
+        >>> parse_index(b'{"weight_map": {"w": "a.safetensors"}}', "index.json").shards
+        ('a.safetensors',)
+    """
+    try:
+        document = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys(file))
+    except ShardIndexError:
+        raise
+    except UnicodeDecodeError as error:
+        raise ShardIndexError(f"{file}: not valid UTF-8 at byte {error.start}") from None
+    except (ValueError, RecursionError) as error:
+        raise ShardIndexError(f"{file}: not valid JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise ShardIndexError(f"{file}: top level is {type(document).__name__}, expected a JSON object")
+    weight_map = document.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ShardIndexError(f"{file}: 'weight_map' is {type(weight_map).__name__}, expected an object of tensor name -> shard file")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise ShardIndexError(f"{file}: weight_map[{name!r}] is {type(shard).__name__}, expected a shard file name")
+        check_shard_name(shard, f"{file}: weight_map[{name!r}]")
+    metadata = document.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise ShardIndexError(f"{file}: 'metadata' is {type(metadata).__name__}, expected an object")
+    return ShardIndex(weight_map=weight_map, metadata=metadata)
+
+
+def check_shard_name(shard: str, where: str) -> None:
+    """Refuse shard names that could leave the checkpoint directory (absolute, ``..``, URLs)."""
+    parts = shard.replace("\\", "/").split("/")
+    if not shard or parts[0] == "" or ":" in shard or "\x00" in shard or ".." in parts:
+        raise ShardIndexError(f"{where}: shard name {shard!r} is not a plain relative path inside the checkpoint directory")
+
+
+def _unique_keys(file: str):
+    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
+                raise ShardIndexError(f"{file}: key {key!r} appears twice (a tensor listed twice?)")
+            result[key] = value
+        return result
+
+    return build

@@ -1,0 +1,58 @@
+"""Writing safetensors files (demo checkpoints, conversions): header, then tensor bytes in order."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+from collections.abc import Mapping
+
+import torch
+
+from weightstream.formats.safetensors import DTYPE_NAMES, PACKED_PAIRS
+
+ALIGNMENT = 8
+"""The header is padded with spaces so the data section starts 8-byte aligned."""
+
+
+def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The 8-byte length plus the padded JSON header for ``tensors`` stored in order.
+
+    Example:
+        >>> encode_header({"w": torch.zeros(2, dtype=torch.uint8)})[:8]
+        b'@\\x00\\x00\\x00\\x00\\x00\\x00\\x00'
+    """
+    document: dict[str, object] = {}
+    if metadata:
+        document["__metadata__"] = dict(metadata)
+    offset = 0
+    for name, tensor in tensors.items():
+        dtype_name = DTYPE_NAMES[tensor.dtype]
+        shape = list(tensor.shape)
+        if dtype_name in PACKED_PAIRS:
+            shape[-1] *= 2
+        nbytes = tensor.numel() * tensor.element_size()
+        document[name] = {"dtype": dtype_name, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(document, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-(len(raw) + 8) % ALIGNMENT)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> int:
+    """Write ``tensors`` (CPU) to ``path`` in the given order; returns the file size.
+
+    Example:
+        >>> write_safetensors("/tmp/w.safetensors", {"w": torch.ones(3)})  # doctest: +SKIP
+        84
+    """
+    header = encode_header(tensors, metadata)
+    with open(path, "wb") as file:
+        file.write(header)
+        for tensor in tensors.values():
+            contiguous = tensor.detach().contiguous()
+            nbytes = contiguous.numel() * contiguous.element_size()
+            if nbytes:
+                file.write(memoryview((ctypes.c_char * nbytes).from_address(contiguous.data_ptr())))
+        return file.tell()

@@ -1,0 +1,1 @@
+"""How bytes are read: one module per registry entry."""

@@ -1,0 +1,1 @@
+"""Where bytes land: host arenas (and, later, pinned and CUDA memory)."""

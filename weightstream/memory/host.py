@@ -1,0 +1,60 @@
+"""Pageable host memory that the caller owns, carved into tensors.
+
+One anonymous mapping per file holds that file's tensors. An anonymous mapping (not
+``torch.empty``) lets us ask for transparent huge pages: on these VMs the first write
+to a fresh 4 KiB page costs more than the copy itself, and 2 MiB pages cut that cost
+several times over (see ``benchmarks/README.md``). The mapping is freed when the last
+tensor viewing it is garbage collected: ``torch.frombuffer`` keeps the mapping alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import warnings
+
+import torch
+
+from weightstream.plan import TensorSpec
+
+log = logging.getLogger(__name__)
+
+
+class HostArena:
+    """``nbytes`` of zero-initialised, page-aligned, caller-owned memory.
+
+    Example:
+        >>> arena = HostArena(4096, huge_pages=False)
+        >>> arena.view[:4] = b"\\x01\\x00\\x00\\x00"
+        >>> spec = TensorSpec("w", torch.int32, (1,), "f", 0, 4)
+        >>> arena.tensor(0, spec).tolist()
+        [1]
+    """
+
+    def __init__(self, nbytes: int, *, huge_pages: bool) -> None:
+        self.nbytes = nbytes
+        if nbytes == 0:
+            self._bytes = torch.empty(0, dtype=torch.uint8)
+            self.view = memoryview(b"")
+            return
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge_pages:
+            try:
+                mapping.madvise(mmap.MADV_HUGEPAGE)
+            except OSError as error:  # THP disabled in this kernel: 4 KiB pages still work, only slower.
+                log.info("madvise(MADV_HUGEPAGE) refused (%s); using 4 KiB pages", error)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # frombuffer warns on buffers it cannot prove writable
+            self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
+        self.view = memoryview(mapping)
+
+    def tensor(self, offset: int, spec: TensorSpec) -> torch.Tensor:
+        """The tensor ``spec`` whose bytes sit at ``offset``: a view when aligned, else an aligned copy."""
+        if spec.nbytes == 0:
+            return torch.empty(spec.shape, dtype=spec.dtype)
+        raw = self._bytes[offset : offset + spec.nbytes]
+        if offset % spec.dtype.itemsize == 0:
+            return raw.view(spec.dtype).view(spec.shape)
+        aligned = torch.empty(spec.shape, dtype=spec.dtype)
+        aligned.view(-1).view(torch.uint8).copy_(raw)
+        return aligned

@@ -1,0 +1,114 @@
+"""`LoadOptions`: the one set of options every loader receives."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Collection
+from typing import Any, Union
+
+import torch
+
+from weightstream.errors import InvalidOptionError, OptionError
+
+TensorFilter = Union[Collection[str], Callable[[str], bool]]
+"""Names to load: a collection of tensor names, or a predicate on the name."""
+
+ProgressCallback = Callable[[int], None]
+"""Called with the number of bytes that just landed (from reader threads)."""
+
+MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """Options for one load. Every loader honours each field or rejects it in ``plan``.
+
+    Build it from keyword arguments with :meth:`from_kwargs`, which rejects unknown
+    names before any I/O.
+    """
+
+    device: str = "cpu"
+    """Where tensors land. Default ``"cpu"``: memory the caller owns."""
+
+    threads: int | None = None
+    """Reader threads. Default ``None``: the number of CPUs, at least 2."""
+
+    chunk_bytes: int = 16 * MIB
+    """Largest single read request, in bytes. Default 16 MiB."""
+
+    filter: TensorFilter | None = None
+    """Only these tensors (names or a predicate). Default ``None``: all of them."""
+
+    huge_pages: bool = True
+    """Ask the kernel for transparent huge pages on the destination memory. Default ``True``."""
+
+    progress: ProgressCallback | None = None
+    """Called from reader threads with each count of bytes read. Default ``None``."""
+
+    def __post_init__(self) -> None:
+        _check_device(self.device)
+        if self.threads is not None and (not _is_int(self.threads) or self.threads < 1):
+            raise InvalidOptionError(f"threads must be a positive integer or None, got {self.threads!r}")
+        if not _is_int(self.chunk_bytes) or self.chunk_bytes < 4096:
+            raise InvalidOptionError(f"chunk_bytes must be an integer of at least 4096, got {self.chunk_bytes!r}")
+        if not isinstance(self.huge_pages, bool):
+            raise OptionError(f"huge_pages must be a bool, got {type(self.huge_pages).__name__}")
+        if self.progress is not None and not callable(self.progress):
+            raise OptionError(f"progress must be callable, got {type(self.progress).__name__}")
+        if self.filter is not None:
+            object.__setattr__(self, "filter", _normalise_filter(self.filter))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> LoadOptions:
+        """Build options from keyword arguments, rejecting unknown names.
+
+        Example:
+            >>> LoadOptions.from_kwargs(threads=4).threads
+            4
+        """
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise OptionError(f"unknown option(s) {', '.join(unknown)}; known options: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+    @property
+    def reader_threads(self) -> int:
+        """The number of reader threads this load uses."""
+        return self.threads if self.threads is not None else max(2, os.cpu_count() or 1)
+
+    def wants(self, name: str) -> bool:
+        """Whether the filter selects tensor ``name``."""
+        if self.filter is None:
+            return True
+        if callable(self.filter):
+            return bool(self.filter(name))
+        return name in self.filter
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_device(device: object) -> None:
+    if not isinstance(device, str):
+        raise OptionError(f"device must be a string such as 'cpu' or 'cuda:0', got {type(device).__name__}")
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError) as error:
+        raise InvalidOptionError(f"device {device!r} is not a device torch knows: {error}") from None
+
+
+def _normalise_filter(value: object) -> TensorFilter:
+    if callable(value):
+        return value
+    if isinstance(value, (str, bytes)):
+        raise OptionError(f"filter must be a collection of names or a predicate, not a single {type(value).__name__} {value!r}")
+    if not isinstance(value, Collection):
+        raise OptionError(f"filter must be a collection of names or a predicate, got {type(value).__name__}")
+    names = frozenset(value)
+    bad = [name for name in names if not isinstance(name, str)]
+    if bad:
+        raise OptionError(f"filter names must be strings, got {bad[0]!r}")
+    return names

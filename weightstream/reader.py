@@ -1,0 +1,104 @@
+"""The parallel reader: a plan's coalesced requests, executed by a thread pool straight
+into caller-owned memory, with each tensor yielded as soon as its last byte lands.
+
+All or nothing: the first failing read stops the others (queued reads are cancelled,
+running ones finish, since their memory must not vanish under them), every file is
+closed and no thread outlives the generator, whether it ends normally, by an error,
+or because the consumer stopped iterating.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import torch
+
+from weightstream.errors import TruncatedFileError
+from weightstream.memory.host import HostArena
+from weightstream.options import LoadOptions
+from weightstream.plan import FileLayout, LoadPlan, ReadRequest, layout_file
+from weightstream.sources.base import Source, Store
+
+THREAD_NAME_PREFIX = "weightstream-read"
+
+
+def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of ``plan``, in completion order.
+
+    Example:
+        >>> for name, tensor in read_tensors(LocalStore(), plan, LoadOptions()):  # doctest: +SKIP
+        ...     model[name].copy_(tensor)
+    """
+    layouts = [layout_file(plan.tensors_of(spec.path), opts.chunk_bytes) for spec in plan.files]
+    layouts = [layout for layout in layouts if layout.tensor_offsets]
+    sizes = {spec.path: spec.size for spec in plan.files}
+    with contextlib.ExitStack() as cleanup:
+        sources = {layout.file: cleanup.enter_context(contextlib.closing(store.open(layout.file))) for layout in layouts}
+        for path, source in sources.items():
+            if source.size != sizes[path]:
+                raise TruncatedFileError(
+                    f"{path}: is {source.size} bytes now, {sizes[path]} when its header was read (it changed while loading)"
+                )
+        arenas = [HostArena(layout.buffer_bytes, huge_pages=opts.huge_pages) for layout in layouts]
+        # Registered first, so it runs last: after the readers have stopped writing into the arenas.
+        # Dropping them here (not when a traceback lets go of this frame) frees the memory at once.
+        cleanup.callback(arenas.clear)
+        stop = threading.Event()
+        executor = ThreadPoolExecutor(max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX)
+        cleanup.callback(executor.shutdown, wait=True, cancel_futures=True)
+        cleanup.callback(stop.set)
+        futures: dict[Future, tuple[int, int]] = {}
+        for file_number, layout in enumerate(layouts):
+            for request_number, request in enumerate(layout.requests):
+                future = executor.submit(_read, sources[layout.file], request, arenas[file_number].view, stop, opts)
+                futures[future] = (file_number, request_number)
+        waiting = [_Waiting(layout) for layout in layouts]
+        for file_number, layout in enumerate(layouts):
+            for tensor_number in waiting[file_number].ready_without_reads():
+                yield _tensor(layout, arenas[file_number], tensor_number)
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                future.result()
+                file_number, request_number = futures.pop(future)
+                for tensor_number in waiting[file_number].request_done(request_number):
+                    yield _tensor(layouts[file_number], arenas[file_number], tensor_number)
+
+
+def _read(source: Source, request: ReadRequest, view: memoryview, stop: threading.Event, opts: LoadOptions) -> None:
+    if stop.is_set():
+        return
+    source.read_into(request.offset, view[request.dest_offset : request.dest_offset + request.nbytes])
+    if opts.progress is not None:
+        opts.progress(request.nbytes)
+
+
+def _tensor(layout: FileLayout, arena: HostArena, tensor_number: int) -> tuple[str, torch.Tensor]:
+    spec, offset = layout.tensor_offsets[tensor_number]
+    return spec.name, arena.tensor(offset, spec)
+
+
+class _Waiting:
+    """Which tensors of one file still wait for which reads."""
+
+    def __init__(self, layout: FileLayout) -> None:
+        self._remaining = [len(needed) for needed in layout.tensor_requests]
+        self._waiters: list[list[int]] = [[] for _ in layout.requests]
+        for tensor_number, needed in enumerate(layout.tensor_requests):
+            for request_number in needed:
+                self._waiters[request_number].append(tensor_number)
+
+    def ready_without_reads(self) -> list[int]:
+        return [number for number, count in enumerate(self._remaining) if count == 0]
+
+    def request_done(self, request_number: int) -> list[int]:
+        ready = []
+        for tensor_number in self._waiters[request_number]:
+            self._remaining[tensor_number] -= 1
+            if self._remaining[tensor_number] == 0:
+                ready.append(tensor_number)
+        return ready

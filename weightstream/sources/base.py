@@ -1,0 +1,40 @@
+"""The source interface: a readable object and the store that lists and opens them."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Source(Protocol):
+    """One open, readable object of a known size (a file, an object-store key)."""
+
+    uri: str
+    size: int
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """Exactly ``nbytes`` from ``offset`` (small reads: headers, indexes)."""
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the bytes from ``offset``, or raise; never a short read."""
+
+    def close(self) -> None:
+        """Release the descriptor or connection; idempotent."""
+
+
+class Store(Protocol):
+    """Lists and opens objects under one kind of URI."""
+
+    def is_dir(self, uri: str) -> bool:
+        """Whether ``uri`` names a directory (or prefix)."""
+
+    def exists(self, uri: str) -> bool:
+        """Whether ``uri`` names a file or a directory."""
+
+    def list_names(self, uri: str) -> list[str]:
+        """Names of the entries directly inside directory ``uri``, sorted."""
+
+    def join(self, directory: str, name: str) -> str:
+        """The URI of ``name`` inside ``directory``."""
+
+    def open(self, uri: str) -> Source:
+        """Open ``uri`` for reading."""
