@@ -1,0 +1,66 @@
+"""Every registered loader: a read that fails midway stops everything, frees memory, leaks nothing."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+
+import weightstream
+from tests.conformance.test_round_trip import CASES
+from weightstream.bench.demo import LlamaShape, llama_state_dict
+
+MIB = 1 << 20
+
+
+@pytest.fixture(params=CASES, ids=[f"{name}-{writer.__name__}" for name, writer in CASES])
+def big_checkpoint(request, tmp_path: Path):
+    """About 192 MiB, so that freed memory shows in RSS."""
+    name, writer = request.param
+    state = llama_state_dict(LlamaShape(hidden=1024, intermediate=2816, layers=8, vocab=8000))
+    uri = writer(state, tmp_path / "ckpt")
+    del state
+    return name, uri
+
+
+def files_of(uri: str) -> list[Path]:
+    return sorted(Path(uri).glob("*.safetensors")) if Path(uri).is_dir() else [Path(uri)]
+
+
+def test_file_truncated_during_load(big_checkpoint, no_leaks):
+    name, uri = big_checkpoint
+    victims = files_of(uri)
+    truncated = threading.Event()
+
+    def truncate_after_first_read(nbytes: int) -> None:
+        if not truncated.is_set():
+            truncated.set()
+            for path in victims:
+                os.truncate(path, 4096)
+
+    baseline = psutil.Process().memory_info().rss
+    with pytest.raises(weightstream.TruncatedFileError, match=r"file ends at byte \d+, expected bytes up to \d+ \(it changed or shrank while loading\)"):
+        weightstream.load_weights(uri, format=name, chunk_bytes=MIB, progress=truncate_after_first_read)
+    assert psutil.Process().memory_info().rss - baseline < 32 * MIB, "the arenas of a failed load were not released"
+
+
+def test_file_changed_between_plan_and_read(big_checkpoint, no_leaks):
+    name, uri = big_checkpoint
+    stream = weightstream.iter_weights(uri, format=name)
+    victim = files_of(uri)[0]
+    with open(victim, "ab") as file:
+        file.write(b"more")
+    with pytest.raises(weightstream.TruncatedFileError, match=r"is \d+ bytes now, \d+ when its header was read \(it changed while loading\)"):
+        next(stream)
+
+
+def test_memory_released_after_success(big_checkpoint, no_leaks):
+    name, uri = big_checkpoint
+    baseline = psutil.Process().memory_info().rss
+    loaded = weightstream.load_weights(uri, format=name)
+    assert psutil.Process().memory_info().rss - baseline > 150 * MIB
+    del loaded
+    assert psutil.Process().memory_info().rss - baseline < 32 * MIB

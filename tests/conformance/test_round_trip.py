@@ -1,0 +1,96 @@
+"""Every registered loader: bit-exact round trips, filters, and leaks, on every layout it reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import weightstream
+from tests.conftest import assert_same
+from tests.conformance.writers import WRITERS
+from weightstream.formats.safetensors import DTYPES
+
+CASES = [(name, writer) for name in weightstream.available_loaders() for writer in WRITERS.get(name, [None])]
+
+
+@pytest.fixture(params=CASES, ids=[f"{name}-{writer.__name__ if writer else 'no-writer'}" for name, writer in CASES])
+def layout(request):
+    name, writer = request.param
+    assert writer is not None, f"loader {name!r} is registered but tests/conformance/writers.py has no writer for it"
+    return name, writer
+
+
+def every_dtype() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    state = {}
+    for dtype_name, dtype in DTYPES.items():
+        raw = torch.randint(0, 256, (6 * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+        if dtype is torch.bool:
+            raw = raw % 2
+        state[f"dtype.{dtype_name}"] = raw.view(dtype).reshape(2, 3)
+    state["scalar.f32"] = torch.tensor(3.25)
+    state["scalar.bf16"] = torch.tensor(-1.5, dtype=torch.bfloat16)
+    state["empty.f32"] = torch.empty(0, 5)
+    state["empty.i64"] = torch.empty(3, 0, dtype=torch.int64)
+    state["odd.u8"] = torch.arange(7, dtype=torch.uint8)
+    state["after.odd.f64"] = torch.randn(5, dtype=torch.float64, generator=generator)
+    return state
+
+
+def test_every_dtype_scalars_and_empty_tensors(layout, tmp_path: Path, no_leaks):
+    name, writer = layout
+    state = every_dtype()
+    uri = writer(state, tmp_path / "ckpt")
+    assert_same(weightstream.load_weights(uri, format=name), state)
+
+
+def test_llama_checkpoint(layout, tmp_path: Path, tiny_state, no_leaks):
+    name, writer = layout
+    uri = writer(tiny_state, tmp_path / "ckpt")
+    assert_same(weightstream.load_weights(uri, format=name), tiny_state)
+    assert_same(dict(weightstream.iter_weights(uri, format=name, chunk_bytes=4096, threads=3)), tiny_state)
+
+
+def test_filter_by_names_and_predicate(layout, tmp_path: Path, tiny_state, no_leaks):
+    name, writer = layout
+    uri = writer(tiny_state, tmp_path / "ckpt")
+    wanted = ["model.layers.1.mlp.up_proj.weight", "lm_head.weight"]
+    assert_same(weightstream.load_weights(uri, format=name, filter=wanted), {n: tiny_state[n] for n in wanted})
+    layer_two = {n: t for n, t in tiny_state.items() if ".layers.2." in n}
+    assert_same(weightstream.load_weights(uri, format=name, filter=lambda n: ".layers.2." in n), layer_two)
+
+
+def test_filter_naming_a_missing_tensor(layout, tmp_path: Path, tiny_state, no_leaks):
+    name, writer = layout
+    uri = writer(tiny_state, tmp_path / "ckpt")
+    with pytest.raises(weightstream.TensorNotFound, match=r"1 requested tensor\(s\) not in the checkpoint: 'model.nope'"):
+        weightstream.load_weights(uri, format=name, filter=["lm_head.weight", "model.nope"])
+
+
+def test_tensors_are_owned_memory(layout, tmp_path: Path, tiny_state, no_leaks):
+    """Deleting (or rewriting) the files afterwards must not change the loaded tensors."""
+    name, writer = layout
+    uri = writer(tiny_state, tmp_path / "ckpt")
+    loaded = weightstream.load_weights(uri, format=name)
+    for path in (tmp_path / "ckpt").iterdir():
+        path.write_bytes(b"\xff" * path.stat().st_size)
+        path.unlink()
+    assert_same(loaded, tiny_state)
+    next(iter(loaded.values())).add_(1)  # writable
+
+
+def test_abandoned_iterator_leaks_nothing(layout, tmp_path: Path, tiny_state, no_leaks):
+    name, writer = layout
+    uri = writer(tiny_state, tmp_path / "ckpt")
+    stream = weightstream.iter_weights(uri, format=name, chunk_bytes=4096)
+    first_name, first = next(stream)
+    assert torch.equal(first.view(torch.uint8), tiny_state[first_name].view(torch.uint8))
+    stream.close()
+
+
+def test_unknown_option_raises_before_any_io(layout, tmp_path: Path):
+    name, _ = layout
+    with pytest.raises(weightstream.OptionError, match=r"unknown option\(s\) chunk_size; known options: chunk_bytes, device"):
+        weightstream.iter_weights(tmp_path / "does-not-exist", format=name, chunk_size=1)
