@@ -11,8 +11,8 @@ from weightstream.errors import InvalidOptionError, OptionError
 
 def test_defaults():
     opts = LoadOptions()
-    assert (opts.device, opts.chunk_bytes, opts.filter, opts.huge_pages) == ("cpu", 16 << 20, None, True)
-    assert opts.reader_threads >= 2
+    assert (opts.device, opts.chunk_bytes, opts.filter, opts.huge_pages) == ("cpu", 8 << 20, None, True)
+    assert opts.reader_threads >= 4
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

@@ -7,6 +7,7 @@ Example:
 
 from weightstream.api import iter_weights, load_weights, plan_load, resolve_format
 from weightstream.errors import (
+    BenchmarkError,
     FormatError,
     HeaderError,
     InvalidOptionError,
@@ -27,6 +28,7 @@ from weightstream.registry import available_loaders, register_loader
 __version__ = "0.1.0"
 
 __all__ = [
+    "BenchmarkError",
     "FormatError",
     "HeaderError",
     "InvalidOptionError",

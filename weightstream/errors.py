@@ -64,3 +64,7 @@ class TensorNotFound(WeightstreamError, KeyError):
     def __str__(self) -> str:
         # KeyError quotes its argument; a sentence reads better unquoted.
         return str(self.args[0]) if self.args else ""
+
+
+class BenchmarkError(WeightstreamError, RuntimeError):
+    """A benchmark run failed, or its conditions (a cold or warm page cache) could not be established."""

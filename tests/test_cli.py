@@ -1,0 +1,91 @@
+"""The command line, run as a user runs it: a subprocess on real files."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import save_hf_sharded
+from weightstream.cli import parse_size
+
+
+def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path, tiny_state) -> Path:
+    return save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=2)
+
+
+def test_inspect_json(checkpoint: Path, tiny_state):
+    result = cli("inspect", str(checkpoint), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {t["name"] for t in report["tensors"]} == set(tiny_state)
+    embed = next(t for t in report["tensors"] if t["name"] == "model.embed_tokens.weight")
+    assert (embed["dtype"], embed["shape"], embed["nbytes"]) == ("BF16", [96, 64], 96 * 64 * 2)
+    assert report["total_bytes"] == sum(t.numel() * 2 for t in tiny_state.values())
+    assert [f["metadata"] for f in report["files"]] == [{"format": "pt"}, {"format": "pt"}]
+
+
+def test_inspect_text(checkpoint: Path, tiny_state):
+    result = cli("inspect", str(checkpoint))
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^model\.layers\.2\.mlp\.down_proj\.weight +BF16 +\[64, 160\] +20480$", result.stdout, re.MULTILINE)
+    assert f"{len(tiny_state)} tensors" in result.stdout
+
+
+def test_load_json(checkpoint: Path, tiny_state):
+    result = cli("load", str(checkpoint), "--json", "--threads", "2")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["tensors"] == len(tiny_state)
+    assert report["bytes"] == sum(t.numel() * 2 for t in tiny_state.values())
+    assert report["gbps"] > 0 and report["format"] == "safetensors"
+
+
+def test_load_filter(checkpoint: Path):
+    result = cli("load", str(checkpoint), "--json", "--filter", "lm_head.weight", "model.norm.weight")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["tensors"] == 2
+
+
+def test_error_exit_status_and_message(tmp_path: Path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 16)
+    result = cli("load", str(bad))
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"weightstream: error: {bad}: header length 18446744073709551615 exceeds the limit")
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_bench_builds_the_demo_and_compares(tmp_path: Path):
+    result = cli("bench", "--size", "24MiB", "--cache-dir", str(tmp_path / "cache"), "--rounds", "1",
+                 "--methods", "weightstream,safetensors.load_file,limit-read-reused", "--json", "--plot", str(tmp_path / "bench.png"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {(r["method"], r["cache"]) for r in report["results"]} == {
+        (m, c) for m in ("weightstream", "safetensors.load_file", "limit-read-reused") for c in ("cold", "warm")
+    }
+    assert all(r["gbps_median"] > 0 and r["runs"] == 1 for r in report["results"])
+    assert set(report["ratios"]["cold"]) == {"safetensors.load_file", "limit-read-reused"}
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "cache" / "demo-llama-1l-2s" / "model.safetensors.index.json").exists()
+
+
+def test_bench_unknown_method(checkpoint: Path):
+    result = cli("bench", str(checkpoint), "--methods", "nope")
+    assert result.returncode == 1
+    assert "unknown method or cache ['nope']" in result.stderr
+
+
+@pytest.mark.parametrize("text, expected", [("1GiB", 2**30), ("512MiB", 2**29), ("4G", 4 * 10**9), ("100", 100), ("1.5k", 1500)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected

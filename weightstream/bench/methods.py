@@ -1,0 +1,107 @@
+"""The loaders a benchmark compares, each a generator of ``(name, tensor)`` over the same files.
+
+Peers are imported only when measured; a peer that is not installed is reported as such.
+The ``limit-*`` methods are not loaders: they measure what the machine allows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+
+from weightstream.bench.pagecache import BLOCK
+
+Method = Callable[[str, list[str]], Iterator[tuple[str, torch.Tensor]]]
+
+
+def weightstream_loader(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """weightstream.iter_weights: owned memory, tensors yielded as they complete."""
+    import weightstream
+
+    yield from weightstream.iter_weights(uri)
+
+
+def weightstream_small_pages(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """weightstream.iter_weights with ``huge_pages=False``: what transparent huge pages are worth."""
+    import weightstream
+
+    yield from weightstream.iter_weights(uri, huge_pages=False)
+
+
+def safetensors_load_file(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """safetensors.torch.load_file per file: views of a file mapping (not owned memory)."""
+    from safetensors.torch import load_file
+
+    for path in files:
+        yield from load_file(path).items()
+
+
+def safetensors_safe_open(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """safetensors.safe_open + get_tensor, tensor by tensor."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt") as opened:
+            for name in opened.keys():
+                yield name, opened.get_tensor(name)
+
+
+def runai_model_streamer(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """runai-model-streamer's SafetensorsStreamer, default settings (owned tensors)."""
+    from runai_model_streamer import SafetensorsStreamer
+
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_files(files)
+        yield from streamer.get_tensors()
+
+
+def fastsafetensors_nogds(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """fastsafetensors without GDS to the CPU."""
+    from fastsafetensors import fastsafe_open
+
+    with fastsafe_open(files, device="cpu", nogds=True) as opened:
+        for name in opened.keys():
+            yield name, opened.get_tensor(name)
+
+
+def limit_read_fresh(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The machine: one thread reads each whole file into freshly allocated (never touched) memory."""
+    for path in files:
+        buffer = bytearray(os.path.getsize(path))
+        with open(path, "rb", buffering=0) as file:
+            view, done = memoryview(buffer), 0
+            while done < len(buffer):
+                done += file.readinto(view[done:])
+        yield path, torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def limit_read_reused(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The machine: one sequential stream into one reused 16 MiB buffer (cold: the disk; warm: the copy)."""
+    buffer = bytearray(BLOCK)
+    for path in files:
+        with open(path, "rb", buffering=0) as file:
+            while file.readinto(buffer):
+                pass
+    yield from ()
+
+
+METHODS: dict[str, tuple[Method, str | None]] = {
+    "weightstream": (weightstream_loader, None),
+    "weightstream-4k-pages": (weightstream_small_pages, None),
+    "safetensors.load_file": (safetensors_load_file, "safetensors"),
+    "safetensors.safe_open": (safetensors_safe_open, "safetensors"),
+    "runai-model-streamer": (runai_model_streamer, "runai_model_streamer"),
+    "fastsafetensors": (fastsafetensors_nogds, "fastsafetensors"),
+    "limit-read-fresh": (limit_read_fresh, None),
+    "limit-read-reused": (limit_read_reused, None),
+}
+"""Name -> (generator, the module it needs)."""
+
+
+def missing_module(method: str) -> str | None:
+    """The module ``method`` needs that is not installed, if any."""
+    module = METHODS[method][1]
+    return module if module is not None and importlib.util.find_spec(module) is None else None

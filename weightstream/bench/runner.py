@@ -1,0 +1,214 @@
+"""Interleaved benchmark rounds: each method in a fresh process, cold and warm page cache, medians.
+
+Example:
+    >>> report = run_bench("/models/llama", rounds=3)  # doctest: +SKIP
+    >>> print(format_table(report))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+
+from weightstream.bench import pagecache
+from weightstream.bench.methods import METHODS, missing_module
+from weightstream.errors import BenchmarkError, InvalidOptionError
+from weightstream.formats.checkpoint import find_files
+from weightstream.sources import store_for
+
+CACHES = ("cold", "warm")
+COLD_RESIDENCY = 0.02
+WARM_RESIDENCY = 0.98
+WORKER_TIMEOUT_S = 900
+
+
+@dataclasses.dataclass
+class Row:
+    """The runs of one method under one page-cache state."""
+
+    method: str
+    cache: str
+    runs: list[dict] = dataclasses.field(default_factory=list)
+    skipped: str | None = None
+
+    @property
+    def gbps(self) -> list[float]:
+        return [run["bytes"] / run["seconds"] / 1e9 for run in self.runs]
+
+    def summary(self) -> dict:
+        if self.skipped or not self.runs:
+            return {"method": self.method, "cache": self.cache, "skipped": self.skipped or "no runs"}
+        firsts = [run["first_tensor_seconds"] for run in self.runs if run["first_tensor_seconds"] is not None]
+        return {
+            "method": self.method,
+            "cache": self.cache,
+            "gbps_median": statistics.median(self.gbps),
+            "gbps_min": min(self.gbps),
+            "gbps_max": max(self.gbps),
+            "seconds_median": statistics.median(run["seconds"] for run in self.runs),
+            "first_tensor_seconds_median": statistics.median(firsts) if firsts else None,
+            "peak_rss_above_baseline_median": statistics.median(run["peak_rss"] - run["baseline_rss"] for run in self.runs),
+            "runs": len(self.runs),
+        }
+
+
+@dataclasses.dataclass
+class BenchReport:
+    uri: str
+    files: list[str]
+    total_bytes: int
+    rounds: int
+    rows: list[Row]
+    machine: dict
+
+    def to_json(self) -> dict:
+        return {
+            "uri": self.uri,
+            "files": self.files,
+            "total_bytes": self.total_bytes,
+            "rounds": self.rounds,
+            "machine": self.machine,
+            "results": [row.summary() for row in self.rows],
+            "ratios": ratios(self),
+        }
+
+
+def run_bench(
+    uri: str,
+    methods: Sequence[str] = tuple(METHODS),
+    caches: Sequence[str] = CACHES,
+    rounds: int = 3,
+    on_run: Callable[[str], None] | None = None,
+) -> BenchReport:
+    """Measure ``methods`` on the checkpoint at ``uri``: ``rounds`` interleaved rounds per page-cache state.
+
+    Raises:
+        InvalidOptionError: an unknown method or cache state, or ``rounds`` < 1.
+    """
+    unknown = [m for m in methods if m not in METHODS] + [c for c in caches if c not in CACHES]
+    if unknown:
+        raise InvalidOptionError(f"unknown method or cache {unknown}; methods: {', '.join(METHODS)}; caches: {', '.join(CACHES)}")
+    if rounds < 1:
+        raise InvalidOptionError(f"rounds must be at least 1, got {rounds}")
+    files = list(find_files(store_for(uri), uri).files)
+    rows = {(m, c): Row(m, c, skipped=_why_skipped(m)) for c in caches for m in methods}
+    for round_number in range(rounds):
+        for cache in caches:
+            for method in methods:
+                row = rows[(method, cache)]
+                if row.skipped:
+                    continue
+                _prepare(files, cache)
+                row.runs.append(_run_worker(method, uri, files))
+                if on_run is not None:
+                    run = row.runs[-1]
+                    on_run(f"round {round_number + 1}/{rounds} {cache:4s} {method:24s} {run['bytes'] / run['seconds'] / 1e9:6.2f} GB/s")
+    return BenchReport(uri, files, sum(os.path.getsize(f) for f in files), rounds, list(rows.values()), _machine())
+
+
+def ratios(report: BenchReport) -> dict[str, dict[str, float]]:
+    """weightstream's median GB/s divided by every other method's, per cache state."""
+    medians = {(row.method, row.cache): statistics.median(row.gbps) for row in report.rows if row.runs}
+    result: dict[str, dict[str, float]] = {}
+    for (method, cache), value in medians.items():
+        ours = medians.get(("weightstream", cache))
+        if ours is not None and method != "weightstream":
+            result.setdefault(cache, {})[method] = ours / value
+    return result
+
+
+def format_table(report: BenchReport) -> str:
+    """A plain-text table of the report, with weightstream's ratio to each method."""
+    lines = [
+        f"checkpoint: {report.uri} ({report.total_bytes / 2**30:.2f} GiB in {len(report.files)} files), "
+        f"{report.rounds} interleaved rounds, each run a fresh process; medians (min-max)",
+        f"{'cache':5s} {'method':24s} {'GB/s':>22s} {'first tensor':>13s} {'peak RSS +':>11s} {'ws ratio':>9s}",
+    ]
+    table_ratios = ratios(report)
+    for row in report.rows:
+        summary = row.summary()
+        if "skipped" in summary:
+            lines.append(f"{row.cache:5s} {row.method:24s} skipped: {summary['skipped']}")
+            continue
+        first = summary["first_tensor_seconds_median"]
+        ratio = table_ratios.get(row.cache, {}).get(row.method)
+        lines.append(
+            f"{row.cache:5s} {row.method:24s} {summary['gbps_median']:7.2f} ({summary['gbps_min']:5.2f}-{summary['gbps_max']:5.2f}) "
+            f"{(f'{first * 1000:9.0f} ms' if first is not None else '        n/a'):>13s} "
+            f"{summary['peak_rss_above_baseline_median'] / 2**20:8.0f} MiB "
+            f"{(f'{ratio:8.2f}x' if ratio is not None else ''):>9s}"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: BenchReport, path: str) -> None:
+    """A bar chart of median GB/s per method and cache state, written as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in report.rows if row.runs]
+    caches = [c for c in CACHES if any(row.cache == c for row in rows)]
+    methods = list(dict.fromkeys(row.method for row in rows))
+    figure, axes = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / max(1, len(caches))
+    for number, cache in enumerate(caches):
+        values = [next((statistics.median(r.gbps) for r in rows if r.method == m and r.cache == cache), 0.0) for m in methods]
+        axes.bar([i + number * width for i in range(len(methods))], values, width, label=f"{cache} page cache")
+    axes.set_xticks([i + width * (len(caches) - 1) / 2 for i in range(len(methods))], methods, rotation=20, ha="right")
+    axes.set_ylabel("GB/s to all tensors materialised (median)")
+    axes.set_title(f"{report.total_bytes / 2**30:.2f} GiB checkpoint, {report.rounds} rounds")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _why_skipped(method: str) -> str | None:
+    module = missing_module(method)
+    return f"{module} is not installed" if module else None
+
+
+def _prepare(files: list[str], cache: str) -> None:
+    for path in files:
+        if cache == "cold":
+            pagecache.drop(path)
+        else:
+            pagecache.warm(path)
+    for path in files:
+        resident = pagecache.resident_fraction(path)
+        if (cache == "cold" and resident > COLD_RESIDENCY) or (cache == "warm" and resident < WARM_RESIDENCY):
+            raise BenchmarkError(f"{path}: {resident:.0%} resident in the page cache after preparing a {cache} run; the figure would be wrong")
+
+
+def _run_worker(method: str, uri: str, files: list[str]) -> dict:
+    command = [sys.executable, "-m", "weightstream.bench.worker", method, uri, *files]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    if result.returncode != 0:
+        raise BenchmarkError(f"benchmark of {method} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _machine() -> dict:
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "thp": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
+    }
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as file:
+            return file.read().strip()
+    except OSError:
+        return None

@@ -1,0 +1,152 @@
+"""The ``weightstream`` command: a thin shell over the Python API.
+
+    weightstream inspect URI [--json]
+    weightstream load URI [--json] [--threads N] [--chunk-mib M] [--filter NAME ...]
+    weightstream bench [URI] [--size 1GiB] [--rounds 3] [--json] [--plot bench.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+
+from weightstream.api import plan_load
+from weightstream.bench.demo import GIB, demo_checkpoint
+from weightstream.bench.methods import METHODS
+from weightstream.bench.runner import CACHES, format_table, plot, run_bench
+from weightstream.errors import InvalidOptionError, WeightstreamError
+from weightstream.formats.safetensors import DTYPE_NAMES
+from weightstream.progress import ProgressBar
+
+SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+              "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 success, 1 a weightstream error, 2 usage)."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except WeightstreamError as error:
+        print(f"weightstream: error: {error}", file=sys.stderr)
+        return 1
+
+
+def parse_size(text: str) -> int:
+    """``"1GiB"`` -> 1073741824.
+
+    Example:
+        >>> parse_size("512MiB")
+        536870912
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1GiB, 512MiB, 4G)")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    _, plan, _ = plan_load(args.uri, args.format)
+    if args.json:
+        print(json.dumps({
+            "uri": args.uri,
+            "total_bytes": plan.total_bytes,
+            "files": [{"path": f.path, "size": f.size, "data_offset": f.data_offset, "metadata": dict(f.metadata)} for f in plan.files],
+            "tensors": [{"name": t.name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "nbytes": t.nbytes,
+                         "file": t.file, "offset": t.offset} for t in plan.tensors],
+        }, indent=2))
+        return 0
+    for spec in plan.files:
+        count = sum(1 for t in plan.tensors if t.file == spec.path)
+        print(f"{spec.path}: {spec.size} bytes, {count} tensors, metadata {dict(spec.metadata)}")
+    width = max((len(t.name) for t in plan.tensors), default=4)
+    print(f"{'name':{width}s}  {'dtype':11s} {'shape':22s} {'bytes':>12s}")
+    for t in plan.tensors:
+        print(f"{t.name:{width}s}  {DTYPE_NAMES[t.dtype]:11s} {str(list(t.shape)):22s} {t.nbytes:12d}")
+    print(f"{len(plan.tensors)} tensors, {plan.total_bytes} bytes ({plan.total_bytes / 2**30:.3f} GiB)")
+    return 0
+
+
+def _load(args: argparse.Namespace) -> int:
+    options = {"threads": args.threads, "huge_pages": not args.no_huge_pages}
+    if args.chunk_mib is not None:
+        options["chunk_bytes"] = args.chunk_mib << 20
+    if args.filter:
+        options["filter"] = args.filter
+    bar = ProgressBar(label="load") if sys.stderr.isatty() and not args.json else None
+    if bar is not None:
+        options["progress"] = bar.advance
+    start = time.perf_counter()
+    loader, plan, opts = plan_load(args.uri, args.format, **options)
+    count, nbytes, first = 0, 0, None
+    with contextlib.nullcontext() if bar is None else bar.expecting(plan.total_bytes):
+        for _, tensor in loader.iter_weights(plan, opts):
+            first = first if first is not None else time.perf_counter() - start
+            count, nbytes = count + 1, nbytes + tensor.numel() * tensor.element_size()
+    seconds = time.perf_counter() - start
+    result = {"uri": args.uri, "format": loader.name, "tensors": count, "bytes": nbytes, "seconds": seconds,
+              "gbps": nbytes / seconds / 1e9, "first_tensor_seconds": first}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"loaded {count} tensors, {nbytes / 2**30:.3f} GiB in {seconds:.3f} s: {result['gbps']:.2f} GB/s "
+              f"(first tensor after {1000 * (first or 0):.0f} ms) with the {loader.name} loader")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    uri = args.uri
+    if uri is None:
+        print(f"building (or reusing) a demo Llama checkpoint of about {args.size / 2**30:.2f} GiB ...", file=sys.stderr)
+        uri = demo_checkpoint(args.size, shards=args.shards, cache_dir=args.cache_dir)
+    methods = args.methods.split(",") if args.methods else list(METHODS)
+    caches = args.cache.split(",")
+    report = run_bench(uri, methods=methods, caches=caches, rounds=args.rounds,
+                       on_run=None if args.json else lambda line: print(line, file=sys.stderr))
+    if args.plot:
+        plot(report, args.plot)
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_table(report))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightstream", description="Load LLM weights at the speed of the hardware.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    inspect = commands.add_parser("inspect", help="list tensors, dtypes, shapes, bytes and metadata (reads headers only)")
+    inspect.add_argument("uri")
+    inspect.add_argument("--format", default="auto")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(run=_inspect)
+
+    load = commands.add_parser("load", help="load every tensor and report GB/s")
+    load.add_argument("uri")
+    load.add_argument("--format", default="auto")
+    load.add_argument("--threads", type=int, default=None)
+    load.add_argument("--chunk-mib", type=int, default=None, help="largest read request in MiB (default 8)")
+    load.add_argument("--no-huge-pages", action="store_true", help="do not ask for transparent huge pages")
+    load.add_argument("--filter", nargs="+", metavar="NAME", help="load only these tensors")
+    load.add_argument("--json", action="store_true")
+    load.set_defaults(run=_load)
+
+    bench = commands.add_parser("bench", help="compare weightstream with its peers and the machine's limits")
+    bench.add_argument("uri", nargs="?", help="a checkpoint; default: a demo Llama checkpoint built in the cache")
+    bench.add_argument("--size", type=parse_size, default=GIB, help="demo checkpoint size (default 1GiB)")
+    bench.add_argument("--shards", type=int, default=2, help="demo checkpoint shards (default 2)")
+    bench.add_argument("--cache-dir", default=None, help="where demo checkpoints live (default ~/.cache/weightstream)")
+    bench.add_argument("--rounds", type=int, default=3)
+    bench.add_argument("--methods", default=None, help=f"comma-separated, from: {', '.join(METHODS)}")
+    bench.add_argument("--cache", default=",".join(CACHES), help="page-cache states: cold,warm")
+    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--plot", metavar="PNG", default=None, help="also write a bar chart")
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())
