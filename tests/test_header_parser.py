@@ -48,7 +48,7 @@ def test_non_utf8():
 
 
 def test_not_json():
-    with pytest.raises(HeaderError, match=r"header is not valid JSON: Expecting property name enclosed in double quotes at header byte 1"):
+    with pytest.raises(HeaderError, match=r"header is not valid JSON: Expecting property name enclosed in double quotes at byte 1"):
         parse(None, raw=b"{nope}")
 
 

@@ -7,11 +7,11 @@ inside the checkpoint directory: relative, no ``..``, no scheme.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from weightstream.errors import ShardIndexError
+from weightstream.formats.strict_json import parse_json
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 256 * 1024 * 1024
@@ -42,13 +42,10 @@ def parse_index(raw: bytes, file: str) -> ShardIndex:
         ('a.safetensors',)
     """
     try:
-        document = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys(file))
-    except ShardIndexError:
-        raise
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ShardIndexError(f"{file}: not valid UTF-8 at byte {error.start}") from None
-    except (ValueError, RecursionError) as error:
-        raise ShardIndexError(f"{file}: not valid JSON: {error}") from None
+    document = parse_json(text, ShardIndexError, file)
     if not isinstance(document, dict):
         raise ShardIndexError(f"{file}: top level is {type(document).__name__}, expected a JSON object")
     weight_map = document.get("weight_map")
@@ -69,15 +66,3 @@ def check_shard_name(shard: str, where: str) -> None:
     parts = shard.replace("\\", "/").split("/")
     if not shard or parts[0] == "" or ":" in shard or "\x00" in shard or ".." in parts:
         raise ShardIndexError(f"{where}: shard name {shard!r} is not a plain relative path inside the checkpoint directory")
-
-
-def _unique_keys(file: str):
-    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in result:
-                raise ShardIndexError(f"{file}: key {key!r} appears twice (a tensor listed twice?)")
-            result[key] = value
-        return result
-
-    return build

@@ -8,7 +8,6 @@ is checked here, before any buffer is sized from the header's numbers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import struct
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from weightstream.errors import HeaderError, TruncatedFileError
+from weightstream.formats.strict_json import parse_json
 from weightstream.sources.base import Source
 
 LENGTH_BYTES = 8
@@ -132,35 +132,8 @@ def _decode(raw: bytes, file: str) -> dict[str, Any]:
         raise HeaderError(f"{file}: header is a JSON array, expected a JSON object")
     if not text.startswith("{"):
         raise HeaderError(f"{file}: header starts with {text[:1]!r}, expected a JSON object starting with '{{'")
-    try:
-        document = json.loads(text, object_pairs_hook=_unique_keys(file), parse_constant=_reject_constant(file))
-    except HeaderError:
-        raise
-    except json.JSONDecodeError as error:
-        raise HeaderError(f"{file}: header is not valid JSON: {error.msg} at header byte {error.pos}") from None
-    except (ValueError, RecursionError) as error:
-        # Integers longer than Python's digit limit, or nesting deeper than the recursion limit.
-        raise HeaderError(f"{file}: header is not acceptable JSON: {error}") from None
+    document = parse_json(text, HeaderError, f"{file}: header")
     return document
-
-
-def _unique_keys(file: str):
-    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in result:
-                raise HeaderError(f"{file}: header has the key {key!r} twice")
-            result[key] = value
-        return result
-
-    return build
-
-
-def _reject_constant(file: str):
-    def reject(name: str) -> None:
-        raise HeaderError(f"{file}: header contains the non-JSON constant {name}")
-
-    return reject
 
 
 def _metadata(value: object, file: str) -> dict[str, str]:
