@@ -12,19 +12,23 @@ from weightstream.errors import InvalidOptionError, OptionError
 def test_defaults():
     opts = LoadOptions()
     assert (opts.device, opts.chunk_bytes, opts.filter, opts.huge_pages) == ("cpu", 8 << 20, None, True)
-    assert opts.reader_threads >= 4
+    assert opts.reader_threads >= 8
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"threads": 0}, InvalidOptionError, r"threads must be a positive integer or None, got 0"),
     ({"threads": True}, InvalidOptionError, r"threads must be a positive integer or None, got True"),
-    ({"chunk_bytes": 100}, InvalidOptionError, r"chunk_bytes must be an integer of at least 4096, got 100"),
+    ({"chunk_bytes": 100}, InvalidOptionError, r"chunk_bytes must be a positive multiple of 4096, got 100"),
     ({"device": "tpu:9"}, InvalidOptionError, r"device 'tpu:9' is not a device torch knows"),
     ({"device": 0}, OptionError, r"device must be a string such as 'cpu' or 'cuda:0', got int"),
     ({"filter": "lm_head.weight"}, OptionError, r"filter must be a collection of names or a predicate, not a single str"),
     ({"filter": [1]}, OptionError, r"filter names must be strings, got 1"),
     ({"filter": 3}, OptionError, r"filter must be a collection of names or a predicate, got int"),
     ({"huge_pages": "yes"}, OptionError, r"huge_pages must be a bool, got str"),
+    ({"prefault": 1}, OptionError, r"prefault must be a bool, got int"),
+    ({"direct_io": 1}, InvalidOptionError, r"direct_io must be True, False or 'auto', got 1"),
+    ({"direct_io": "yes"}, InvalidOptionError, r"direct_io must be True, False or 'auto', got 'yes'"),
+    ({"chunk_bytes": 6000}, InvalidOptionError, r"chunk_bytes must be a positive multiple of 4096, got 6000"),
     ({"progress": 5}, OptionError, r"progress must be callable, got int"),
 ])
 def test_bad_values(kwargs, error, message):
@@ -33,7 +37,7 @@ def test_bad_values(kwargs, error, message):
 
 
 def test_unknown_option_lists_known_ones():
-    with pytest.raises(OptionError, match=r"unknown option\(s\) nthreads; known options: chunk_bytes, device, filter, huge_pages, progress, threads"):
+    with pytest.raises(OptionError, match=r"unknown option\(s\) nthreads; known options: chunk_bytes, device, direct_io, filter, huge_pages, prefault, progress, threads"):
         LoadOptions.from_kwargs(nthreads=2)
 
 

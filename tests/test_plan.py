@@ -47,6 +47,10 @@ def test_requests_read_exactly_the_wanted_bytes(tensors, chunk_bytes):
     for spec, offset in layout.tensor_offsets:
         assert offset % PAGE == spec.offset % PAGE
         assert offset + spec.nbytes <= layout.buffer_bytes
+    assert layout.buffer_bytes % PAGE == 0
+    for first, second in zip(layout.requests, layout.requests[1:]):
+        if first.offset + first.nbytes != second.offset:  # different runs never share a destination page
+            assert (first.dest_offset + first.nbytes - 1) // PAGE < second.dest_offset // PAGE
 
 
 def test_adjacent_tensors_coalesce_into_one_request():

@@ -32,8 +32,8 @@ class LoadOptions:
     """Where tensors land. Default ``"cpu"``: memory the caller owns."""
 
     threads: int | None = None
-    """Reader threads. Default ``None``: twice the number of CPUs, at least 4 (threads that wait
-    on the disk or on page faults leave the CPU to the others; measured in benchmarks/README.md)."""
+    """Reader threads. Default ``None``: twice the number of CPUs, at least 8 (a cold direct read
+    wants many requests in flight; threads waiting on the disk leave the CPU to the others)."""
 
     chunk_bytes: int = 8 * MIB
     """Largest single read request, in bytes. Default 8 MiB."""
@@ -41,8 +41,15 @@ class LoadOptions:
     filter: TensorFilter | None = None
     """Only these tensors (names or a predicate). Default ``None``: all of them."""
 
+    direct_io: bool | str = "auto"
+    """Read with O_DIRECT (skipping the page cache): ``True``, ``False``, or ``"auto"`` (default:
+    direct for files mostly not in the page cache, when the filesystem allows it)."""
+
     huge_pages: bool = True
     """Ask the kernel for transparent huge pages on the destination memory. Default ``True``."""
+
+    prefault: bool = True
+    """Fault destination pages in from a helper thread, ahead of the readers. Default ``True``."""
 
     progress: ProgressCallback | None = None
     """Called from reader threads with each count of bytes read. Default ``None``."""
@@ -51,10 +58,13 @@ class LoadOptions:
         _check_device(self.device)
         if self.threads is not None and (not _is_int(self.threads) or self.threads < 1):
             raise InvalidOptionError(f"threads must be a positive integer or None, got {self.threads!r}")
-        if not _is_int(self.chunk_bytes) or self.chunk_bytes < 4096:
-            raise InvalidOptionError(f"chunk_bytes must be an integer of at least 4096, got {self.chunk_bytes!r}")
-        if not isinstance(self.huge_pages, bool):
-            raise OptionError(f"huge_pages must be a bool, got {type(self.huge_pages).__name__}")
+        if not _is_int(self.chunk_bytes) or self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
+            raise InvalidOptionError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes!r}")
+        if not (isinstance(self.direct_io, bool) or self.direct_io == "auto"):
+            raise InvalidOptionError(f"direct_io must be True, False or 'auto', got {self.direct_io!r}")
+        for name in ("huge_pages", "prefault"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.progress is not None and not callable(self.progress):
             raise OptionError(f"progress must be callable, got {type(self.progress).__name__}")
         if self.filter is not None:
@@ -77,7 +87,7 @@ class LoadOptions:
     @property
     def reader_threads(self) -> int:
         """The number of reader threads this load uses."""
-        return self.threads if self.threads is not None else max(4, 2 * (os.cpu_count() or 1))
+        return self.threads if self.threads is not None else max(8, 2 * (os.cpu_count() or 1))
 
     def wants(self, name: str) -> bool:
         """Whether the filter selects tensor ``name``."""

@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 PAGE = 4096
-"""Destination offsets keep the file offset's position within a page, so that the
-file's own alignment (and O_DIRECT's) carries over to memory."""
+"""Each run of bytes starts on a fresh destination page at the file offset's position within
+its page, and the buffer ends on a page boundary: the file's own alignment carries over to
+memory, and a direct (O_DIRECT) read may fill whole pages without touching another run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,7 @@ def layout_file(tensors: Sequence[TensorSpec], chunk_bytes: int) -> FileLayout:
     requests = tuple(_split(ordered[0].file if ordered else "", runs, chunk_bytes))
     return FileLayout(
         file=ordered[0].file if ordered else "",
-        buffer_bytes=dest_end,
+        buffer_bytes=_round_up(dest_end),
         tensor_offsets=tuple(placed),
         requests=requests,
         tensor_requests=tuple(_requests_of(spec, requests) for spec, _ in placed),
@@ -124,8 +125,12 @@ def layout_file(tensors: Sequence[TensorSpec], chunk_bytes: int) -> FileLayout:
 
 
 def _align_like(position: int, file_offset: int) -> int:
-    """The first destination offset at or after ``position`` congruent to ``file_offset`` mod PAGE."""
-    return position + (file_offset - position) % PAGE
+    """On the first page boundary at or after ``position``, at ``file_offset``'s offset within its page."""
+    return _round_up(position) + file_offset % PAGE
+
+
+def _round_up(position: int) -> int:
+    return -(-position // PAGE) * PAGE
 
 
 def _split(file: str, runs: list[tuple[int, int, int]], chunk_bytes: int) -> list[ReadRequest]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+import traceback
+from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from weightstream.errors import TruncatedFileError
 from weightstream.memory.host import HostArena
 from weightstream.options import LoadOptions
-from weightstream.plan import FileLayout, LoadPlan, ReadRequest, layout_file
+from weightstream.plan import PAGE, FileLayout, LoadPlan, ReadRequest, layout_file
 from weightstream.sources.base import Source, Store
 
 THREAD_NAME_PREFIX = "weightstream-read"
@@ -36,7 +37,10 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
     layouts = [layout for layout in layouts if layout.tensor_offsets]
     sizes = {spec.path: spec.size for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
-        sources = {layout.file: cleanup.enter_context(contextlib.closing(store.open(layout.file))) for layout in layouts}
+        sources = {
+            layout.file: cleanup.enter_context(contextlib.closing(store.open(layout.file, direct=opts.direct_io)))
+            for layout in layouts
+        }
         for path, source in sources.items():
             if source.size != sizes[path]:
                 raise TruncatedFileError(
@@ -47,10 +51,19 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
         # Dropping them here (not when a traceback lets go of this frame) frees the memory at once.
         cleanup.callback(arenas.clear)
         stop = threading.Event()
+        futures: dict[Future, tuple[int, int]] = {}
+        cleanup.callback(_forget_failures, futures)  # runs after the executor below has stopped
         executor = ThreadPoolExecutor(max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX)
         cleanup.callback(executor.shutdown, wait=True, cancel_futures=True)
         cleanup.callback(stop.set)
-        futures: dict[Future, tuple[int, int]] = {}
+        if opts.prefault:
+            # Page faults of fresh memory cost more than the copy on these VMs; one thread takes
+            # them ahead of the readers, which then copy (or DMA) into memory that is already there.
+            prefaulter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME_PREFIX + "-prefault")
+            cleanup.callback(prefaulter.shutdown, wait=True, cancel_futures=True)
+            for file_number, layout in enumerate(layouts):
+                for request in layout.requests:
+                    prefaulter.submit(arenas[file_number].populate, request.dest_offset, request.nbytes)
         for file_number, layout in enumerate(layouts):
             for request_number, request in enumerate(layout.requests):
                 future = executor.submit(_read, sources[layout.file], request, arenas[file_number].view, stop, opts)
@@ -69,10 +82,25 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
                     yield _tensor(layouts[file_number], arenas[file_number], tensor_number)
 
 
+def _forget_failures(futures: Iterable[Future]) -> None:
+    """Drop the locals of failed readers' frames: they hold views of the arenas, and the
+    memory of a failed load must not live as long as the caller keeps the exception."""
+    for future in futures:
+        if future.done() and not future.cancelled() and future.exception() is not None:
+            traceback.clear_frames(future.exception().__traceback__)
+
+
 def _read(source: Source, request: ReadRequest, view: memoryview, stop: threading.Event, opts: LoadOptions) -> None:
     if stop.is_set():
         return
-    source.read_into(request.offset, view[request.dest_offset : request.dest_offset + request.nbytes])
+    if source.direct:
+        # Widen to whole pages: the layout keeps the extra bytes on pages no other run uses.
+        head = request.offset % PAGE
+        length = -(-(head + request.nbytes) // PAGE) * PAGE
+        start = request.dest_offset - head
+        source.read_into(request.offset - head, view[start : start + length])
+    else:
+        source.read_into(request.offset, view[request.dest_offset : request.dest_offset + request.nbytes])
     if opts.progress is not None:
         opts.progress(request.nbytes)
 

@@ -64,3 +64,4 @@ def test_memory_released_after_success(big_checkpoint, no_leaks):
     assert psutil.Process().memory_info().rss - baseline > 150 * MIB
     del loaded
     assert psutil.Process().memory_info().rss - baseline < 32 * MIB
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -46,20 +47,71 @@ def test_every_dtype_scalars_and_empty_tensors(layout, tmp_path: Path, no_leaks)
     assert_same(weightstream.load_weights(uri, format=name), state)
 
 
-def test_llama_checkpoint(layout, tmp_path: Path, tiny_state, no_leaks):
+def test_header_order_differs_from_offset_order(layout, tmp_path: Path, tiny_state, no_leaks):
+    """The header lists tensors in another order than their bytes (rewritten here, reversed)."""
     name, writer = layout
     uri = writer(tiny_state, tmp_path / "ckpt")
+    first = sorted(Path(uri).glob("*.safetensors"))[0] if Path(uri).is_dir() else Path(uri)
+    blob = first.read_bytes()
+    length = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + length])
+    reordered = json.dumps(dict(reversed(header.items()))).encode()
+    reordered += b" " * (-len(reordered) % 8)
+    first.write_bytes(len(reordered).to_bytes(8, "little") + reordered + blob[8 + length :])
+    keys = [key for key in json.loads(reordered) if key != "__metadata__"]
+    assert keys != sorted(keys, key=lambda key: header[key]["data_offsets"][0]), "precondition: the orders differ"
     assert_same(weightstream.load_weights(uri, format=name), tiny_state)
-    assert_same(dict(weightstream.iter_weights(uri, format=name, chunk_bytes=4096, threads=3)), tiny_state)
 
 
-def test_filter_by_names_and_predicate(layout, tmp_path: Path, tiny_state, no_leaks):
+IO_MODES = [
+    {"direct_io": False, "prefault": False, "huge_pages": False},
+    {"direct_io": True},
+    {"direct_io": "auto", "prefault": False},
+]
+
+
+@pytest.mark.parametrize("io", IO_MODES, ids=["buffered-4k", "direct", "auto"])
+def test_llama_checkpoint(layout, io, tmp_path: Path, tiny_state, no_leaks):
     name, writer = layout
     uri = writer(tiny_state, tmp_path / "ckpt")
-    wanted = ["model.layers.1.mlp.up_proj.weight", "lm_head.weight"]
-    assert_same(weightstream.load_weights(uri, format=name, filter=wanted), {n: tiny_state[n] for n in wanted})
+    assert_same(weightstream.load_weights(uri, format=name, **io), tiny_state)
+    assert_same(dict(weightstream.iter_weights(uri, format=name, chunk_bytes=4096, threads=3, **io)), tiny_state)
+
+
+@pytest.mark.parametrize("io", IO_MODES, ids=["buffered-4k", "direct", "auto"])
+def test_filter_by_names_and_predicate(layout, io, tmp_path: Path, tiny_state, no_leaks):
+    """Runs of wanted bytes separated by unwanted ones: direct reads widen to pages and must not clobber."""
+    name, writer = layout
+    uri = writer(tiny_state, tmp_path / "ckpt")
+    wanted = ["model.layers.1.mlp.up_proj.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight"]
+    assert_same(weightstream.load_weights(uri, format=name, filter=wanted, **io), {n: tiny_state[n] for n in wanted})
     layer_two = {n: t for n, t in tiny_state.items() if ".layers.2." in n}
-    assert_same(weightstream.load_weights(uri, format=name, filter=lambda n: ".layers.2." in n), layer_two)
+    assert_same(weightstream.load_weights(uri, format=name, filter=lambda n: ".layers.2." in n, **io), layer_two)
+
+
+def test_every_dtype_read_directly(layout, tmp_path: Path, no_leaks):
+    name, writer = layout
+    state = every_dtype()
+    uri = writer(state, tmp_path / "ckpt")
+    assert_same(weightstream.load_weights(uri, format=name, direct_io=True, chunk_bytes=4096), state)
+
+
+def test_cold_files_are_read_directly_on_auto(layout, tmp_path: Path, tiny_state, no_leaks):
+    from weightstream.sources import pagecache
+    from weightstream.sources.local import LocalStore
+
+    name, writer = layout
+    uri = writer(tiny_state, tmp_path / "ckpt")
+    paths = sorted(Path(uri).glob("*.safetensors")) if Path(uri).is_dir() else [Path(uri)]
+    for path in paths:
+        pagecache.drop(str(path))
+        with LocalStore().open(str(path), direct="auto") as source:
+            assert source.direct
+        pagecache.warm(str(path))
+        with LocalStore().open(str(path), direct="auto") as source:
+            assert not source.direct
+        pagecache.drop(str(path))
+    assert_same(weightstream.load_weights(uri, format=name), tiny_state)
 
 
 def test_filter_naming_a_missing_tensor(layout, tmp_path: Path, tiny_state, no_leaks):

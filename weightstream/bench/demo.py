@@ -114,6 +114,7 @@ def demo_checkpoint(size_bytes: int = GIB, shards: int = 2, cache_dir: str | Non
     staging = tempfile.mkdtemp(prefix=".demo-", dir=cache_dir)
     try:
         write_sharded(llama_state_dict(shape), staging, shards)
+        os.chmod(staging, 0o755)  # mkdtemp makes it private; the cache is for every user of the machine
         os.replace(staging, target)
     except OSError:
         if os.path.exists(os.path.join(target, INDEX_NAME)):  # another process won the race

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from weightstream.bench.pagecache import BLOCK
+from weightstream.sources.pagecache import BLOCK
 
 Method = Callable[[str, list[str]], Iterator[tuple[str, torch.Tensor]]]
 

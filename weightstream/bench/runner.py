@@ -16,7 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
-from weightstream.bench import pagecache
+from weightstream.sources import pagecache
 from weightstream.bench.methods import METHODS, missing_module
 from weightstream.errors import BenchmarkError, InvalidOptionError
 from weightstream.formats.checkpoint import find_files

@@ -19,6 +19,9 @@ from weightstream.plan import TensorSpec
 
 log = logging.getLogger(__name__)
 
+MADV_POPULATE_WRITE = 23
+"""Linux 5.14+: fault pages in writable without writing to them (not in Python's mmap module yet)."""
+
 
 class HostArena:
     """``nbytes`` of zero-initialised, page-aligned, caller-owned memory.
@@ -33,11 +36,13 @@ class HostArena:
 
     def __init__(self, nbytes: int, *, huge_pages: bool) -> None:
         self.nbytes = nbytes
+        self._mapping = None
+        self._populate_works = True
         if nbytes == 0:
             self._bytes = torch.empty(0, dtype=torch.uint8)
             self.view = memoryview(b"")
             return
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping = self._mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if huge_pages:
             try:
                 mapping.madvise(mmap.MADV_HUGEPAGE)
@@ -47,6 +52,17 @@ class HostArena:
             warnings.simplefilter("ignore", UserWarning)  # frombuffer warns on buffers it cannot prove writable
             self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
         self.view = memoryview(mapping)
+
+    def populate(self, offset: int, nbytes: int) -> None:
+        """Fault in (allocate and zero) the pages under ``[offset, offset + nbytes)`` ahead of their use."""
+        if self._mapping is None or nbytes == 0 or not self._populate_works:
+            return
+        start = offset - offset % mmap.PAGESIZE
+        try:
+            self._mapping.madvise(MADV_POPULATE_WRITE, start, min(self.nbytes, offset + nbytes) - start)
+        except OSError as error:  # kernels before 5.14; the readers then fault the pages themselves
+            self._populate_works = False
+            log.info("madvise(MADV_POPULATE_WRITE) refused (%s); pages fault in as they are written", error)
 
     def tensor(self, offset: int, spec: TensorSpec) -> torch.Tensor:
         """The tensor ``spec`` whose bytes sit at ``offset``: a view when aligned, else an aligned copy."""

@@ -14,8 +14,12 @@ class Source(Protocol):
     def read(self, offset: int, nbytes: int) -> bytes:
         """Exactly ``nbytes`` from ``offset`` (small reads: headers, indexes)."""
 
+    direct: bool
+    """Whether reads must be aligned to ``DIRECT_ALIGNMENT`` (and may extend past the end of the file)."""
+
     def read_into(self, offset: int, buffer: memoryview) -> None:
-        """Fill ``buffer`` with the bytes from ``offset``, or raise; never a short read."""
+        """Fill ``buffer`` with the bytes from ``offset``, or raise; never a short read
+        (except past the end of the file, for aligned direct reads)."""
 
     def close(self) -> None:
         """Release the descriptor or connection; idempotent."""
@@ -36,5 +40,5 @@ class Store(Protocol):
     def join(self, directory: str, name: str) -> str:
         """The URI of ``name`` inside ``directory``."""
 
-    def open(self, uri: str) -> Source:
-        """Open ``uri`` for reading."""
+    def open(self, uri: str, *, direct: bool | str = False) -> Source:
+        """Open ``uri`` for reading; ``direct`` is ``True``, ``False`` or ``"auto"`` (see ``LoadOptions.direct_io``)."""

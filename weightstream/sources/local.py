@@ -1,23 +1,47 @@
-"""Local files: ``os.preadv`` straight into the caller's memory."""
+"""Local files: ``os.preadv`` straight into the caller's memory, buffered or direct (O_DIRECT).
+
+Direct reads skip the page cache: a cold load then pays for one fresh page per byte (the
+destination) instead of two (a page-cache page and the destination), and the device sees
+the whole queue of requests at once. A warm file is read buffered, from the page cache.
+"""
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+from typing import Literal, Union
 
 from weightstream.errors import NotFound, SourceError, TruncatedFileError
+from weightstream.sources.pagecache import resident_fraction
+
+log = logging.getLogger(__name__)
+
+DIRECT_ALIGNMENT = 4096
+"""Offsets, lengths and memory of direct reads are multiples of this (any block size divides it)."""
+DIRECT_BELOW_RESIDENCY = 0.5
+"""With ``direct="auto"``, a file less than this fraction in the page cache is read directly."""
+
+DirectMode = Union[bool, Literal["auto"]]
 
 
 class LocalFile:
-    """An open local file. Thread-safe: reads are positional."""
+    """An open local file. Thread-safe: reads are positional.
 
-    def __init__(self, path: str) -> None:
+    With ``direct=True`` the file is opened with O_DIRECT: every read must then be aligned
+    to :data:`DIRECT_ALIGNMENT` in offset, length and memory.
+    """
+
+    def __init__(self, path: str, *, direct: bool = False) -> None:
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self._fd = os.open(path, flags)
         except FileNotFoundError:
             raise NotFound(f"{path}: no such file") from None
         except OSError as error:
-            raise SourceError(f"{path}: cannot open: {error.strerror}") from None
+            raise SourceError(f"{path}: cannot open{' with O_DIRECT' if direct else ''}: {error.strerror}") from error
         self.uri = path
+        self.direct = direct
         self.size = os.fstat(self._fd).st_size
 
     def read(self, offset: int, nbytes: int) -> bytes:
@@ -26,7 +50,9 @@ class LocalFile:
         return bytes(buffer)
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
-        done, wanted = 0, len(buffer)
+        """Fill ``buffer`` from ``offset``. Bytes past the size the file had when opened are not
+        read (only aligned direct reads ask for them); any other shortfall raises."""
+        done, wanted = 0, min(len(buffer), self.size - offset)
         while done < wanted:
             try:
                 got = os.preadv(self._fd, [buffer[done:]], offset + done)
@@ -68,8 +94,20 @@ class LocalStore:
     def join(self, directory: str, name: str) -> str:
         return os.path.join(_path(directory), name)
 
-    def open(self, uri: str) -> LocalFile:
-        return LocalFile(_path(uri))
+    def open(self, uri: str, *, direct: DirectMode = False) -> LocalFile:
+        """Open ``uri``; ``direct="auto"`` reads directly when the file is mostly not in the page cache."""
+        path = _path(uri)
+        if direct != "auto":
+            return LocalFile(path, direct=bool(direct))
+        if resident_fraction(path) >= DIRECT_BELOW_RESIDENCY:
+            return LocalFile(path)
+        try:
+            return LocalFile(path, direct=True)
+        except SourceError as error:
+            if not isinstance(error.__cause__, OSError) or error.__cause__.errno != errno.EINVAL:
+                raise
+            log.info("%s: the filesystem refuses O_DIRECT; reading through the page cache", path)
+            return LocalFile(path)
 
 
 def _path(uri: str) -> str:
