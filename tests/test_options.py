@@ -11,7 +11,7 @@ from weightstream.errors import InvalidOptionError, OptionError
 
 def test_defaults():
     opts = LoadOptions()
-    assert (opts.device, opts.chunk_bytes, opts.filter, opts.huge_pages) == ("cpu", 8 << 20, None, True)
+    assert (opts.device, opts.chunk_bytes, opts.filter, opts.huge_pages, opts.direct_io) == ("cpu", 8 << 20, None, "auto", "auto")
     assert opts.reader_threads >= 8
 
 
@@ -24,7 +24,7 @@ def test_defaults():
     ({"filter": "lm_head.weight"}, OptionError, r"filter must be a collection of names or a predicate, not a single str"),
     ({"filter": [1]}, OptionError, r"filter names must be strings, got 1"),
     ({"filter": 3}, OptionError, r"filter must be a collection of names or a predicate, got int"),
-    ({"huge_pages": "yes"}, OptionError, r"huge_pages must be a bool, got str"),
+    ({"huge_pages": "yes"}, InvalidOptionError, r"huge_pages must be True, False or 'auto', got 'yes'"),
     ({"prefault": 1}, OptionError, r"prefault must be a bool, got int"),
     ({"direct_io": 1}, InvalidOptionError, r"direct_io must be True, False or 'auto', got 1"),
     ({"direct_io": "yes"}, InvalidOptionError, r"direct_io must be True, False or 'auto', got 'yes'"),

@@ -46,9 +46,12 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
                 raise TruncatedFileError(
                     f"{path}: is {source.size} bytes now, {sizes[path]} when its header was read (it changed while loading)"
                 )
-        arenas = [HostArena(layout.buffer_bytes, huge_pages=opts.huge_pages) for layout in layouts]
-        # Registered first, so it runs last: after the readers have stopped writing into the arenas.
-        # Dropping them here (not when a traceback lets go of this frame) frees the memory at once.
+        arenas = [
+            HostArena(layout.buffer_bytes, huge_pages=sources[layout.file].direct if opts.huge_pages == "auto" else opts.huge_pages)
+            for layout in layouts
+        ]
+        # Registered before the executor's shutdown, so it runs after the readers stopped writing.
+        # Dropping the arenas here (not when a traceback lets go of this frame) frees the memory at once.
         cleanup.callback(arenas.clear)
         stop = threading.Event()
         futures: dict[Future, tuple[int, int]] = {}

@@ -7,11 +7,13 @@ The ``limit-*`` methods are not loaders: they measure what the machine allows.
 from __future__ import annotations
 
 import importlib.util
+import mmap
 import os
 from collections.abc import Callable, Iterator
 
 import torch
 
+from weightstream.memory.host import MADV_POPULATE_WRITE
 from weightstream.sources.pagecache import BLOCK
 
 Method = Callable[[str, list[str]], Iterator[tuple[str, torch.Tensor]]]
@@ -29,6 +31,13 @@ def weightstream_small_pages(uri: str, files: list[str]) -> Iterator[tuple[str, 
     import weightstream
 
     yield from weightstream.iter_weights(uri, huge_pages=False)
+
+
+def weightstream_buffered(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """weightstream.iter_weights with ``direct_io=False``: what direct reads are worth when cold."""
+    import weightstream
+
+    yield from weightstream.iter_weights(uri, direct_io=False)
 
 
 def safetensors_load_file(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -78,6 +87,14 @@ def limit_read_fresh(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Te
         yield path, torch.frombuffer(buffer, dtype=torch.uint8)
 
 
+def limit_fresh_memory(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The machine: fault in fresh 4 KiB pages for as many bytes as the files hold, no I/O at all."""
+    for path in files:
+        mapping = mmap.mmap(-1, os.path.getsize(path), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(MADV_POPULATE_WRITE)
+        yield path, torch.frombuffer(mapping, dtype=torch.uint8)
+
+
 def limit_read_reused(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """The machine: one sequential stream into one reused 16 MiB buffer (cold: the disk; warm: the copy)."""
     buffer = bytearray(BLOCK)
@@ -91,12 +108,14 @@ def limit_read_reused(uri: str, files: list[str]) -> Iterator[tuple[str, torch.T
 METHODS: dict[str, tuple[Method, str | None]] = {
     "weightstream": (weightstream_loader, None),
     "weightstream-4k-pages": (weightstream_small_pages, None),
+    "weightstream-buffered": (weightstream_buffered, None),
     "safetensors.load_file": (safetensors_load_file, "safetensors"),
     "safetensors.safe_open": (safetensors_safe_open, "safetensors"),
     "runai-model-streamer": (runai_model_streamer, "runai_model_streamer"),
     "fastsafetensors": (fastsafetensors_nogds, "fastsafetensors"),
     "limit-read-fresh": (limit_read_fresh, None),
     "limit-read-reused": (limit_read_reused, None),
+    "limit-fresh-memory": (limit_fresh_memory, None),
 }
 """Name -> (generator, the module it needs)."""
 
