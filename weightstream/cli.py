@@ -109,7 +109,7 @@ def _bench(args: argparse.Namespace) -> int:
     report = run_bench(uri, methods=methods, caches=caches, rounds=args.rounds,
                        on_run=None if args.json else lambda line: print(line, file=sys.stderr))
     if args.plot:
-        plot(report, args.plot)
+        plot(report.to_json(), args.plot)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_table(report))
     return 0
 

@@ -58,6 +58,10 @@ class SourceError(WeightstreamError, OSError):
     """Reading from a source failed with an operating-system error."""
 
 
+class SourceChangedError(SourceError):
+    """A file changed between reading its header and reading its tensors."""
+
+
 class TensorNotFound(WeightstreamError, KeyError):
     """A tensor asked for by name is not in the checkpoint."""
 

@@ -17,7 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
-from weightstream.errors import TruncatedFileError
+from weightstream.errors import SourceChangedError
 from weightstream.memory.host import HostArena
 from weightstream.options import LoadOptions
 from weightstream.plan import PAGE, FileLayout, LoadPlan, ReadRequest, layout_file
@@ -43,7 +43,7 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
         }
         for path, source in sources.items():
             if source.size != sizes[path]:
-                raise TruncatedFileError(
+                raise SourceChangedError(
                     f"{path}: is {source.size} bytes now, {sizes[path]} when its header was read (it changed while loading)"
                 )
         arenas = [

@@ -53,7 +53,7 @@ def test_file_changed_between_plan_and_read(big_checkpoint, no_leaks):
     victim = files_of(uri)[0]
     with open(victim, "ab") as file:
         file.write(b"more")
-    with pytest.raises(weightstream.TruncatedFileError, match=r"is \d+ bytes now, \d+ when its header was read \(it changed while loading\)"):
+    with pytest.raises(weightstream.SourceChangedError, match=r"is \d+ bytes now, \d+ when its header was read \(it changed while loading\)"):
         next(stream)
 
 
