@@ -37,44 +37,27 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
     layouts = [layout for layout in layouts if layout.tensor_offsets]
     sizes = {spec.path: spec.size for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
-        sources = {
-            layout.file: cleanup.enter_context(contextlib.closing(store.open(layout.file, direct=opts.direct_io)))
-            for layout in layouts
-        }
-        for path, source in sources.items():
-            if source.size != sizes[path]:
-                raise SourceChangedError(
-                    f"{path}: is {source.size} bytes now, {sizes[path]} when its header was read (it changed while loading)"
-                )
-        arenas = [
-            HostArena(layout.buffer_bytes, huge_pages=sources[layout.file].direct if opts.huge_pages == "auto" else opts.huge_pages)
-            for layout in layouts
-        ]
-        # Registered before the executor's shutdown, so it runs after the readers stopped writing.
+        sources = [cleanup.enter_context(_open(store, layout.file, sizes[layout.file], opts)) for layout in layouts]
+        arenas = [HostArena(layout.buffer_bytes, huge_pages=_huge_pages(source, opts)) for layout, source in zip(layouts, sources)]
+        # Registered before the executors' shutdown, so it runs after the readers stopped writing.
         # Dropping the arenas here (not when a traceback lets go of this frame) frees the memory at once.
         cleanup.callback(arenas.clear)
-        stop = threading.Event()
         futures: dict[Future, tuple[int, int]] = {}
-        cleanup.callback(_forget_failures, futures)  # runs after the executor below has stopped
-        executor = ThreadPoolExecutor(max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX)
-        cleanup.callback(executor.shutdown, wait=True, cancel_futures=True)
+        cleanup.callback(_forget_failures, futures)
+        stop = threading.Event()
+        readers = ThreadPoolExecutor(max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX)
+        cleanup.callback(readers.shutdown, wait=True, cancel_futures=True)
         cleanup.callback(stop.set)
         if opts.prefault:
-            # Page faults of fresh memory cost more than the copy on these VMs; one thread takes
-            # them ahead of the readers, which then copy (or DMA) into memory that is already there.
             prefaulter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME_PREFIX + "-prefault")
             cleanup.callback(prefaulter.shutdown, wait=True, cancel_futures=True)
-            for file_number, layout in enumerate(layouts):
-                for request in layout.requests:
-                    prefaulter.submit(arenas[file_number].populate, request.dest_offset, request.nbytes)
-        for file_number, layout in enumerate(layouts):
-            for request_number, request in enumerate(layout.requests):
-                future = executor.submit(_read, sources[layout.file], request, arenas[file_number].view, stop, opts)
-                futures[future] = (file_number, request_number)
+            _submit_prefaults(prefaulter, layouts, arenas)
+        _submit_reads(readers, layouts, sources, arenas, stop, opts, futures)
+        # No loop variable of this frame may hold an arena: a traceback through it would keep the memory.
         waiting = [_Waiting(layout) for layout in layouts]
-        for file_number, layout in enumerate(layouts):
-            for tensor_number in waiting[file_number].ready_without_reads():
-                yield _tensor(layout, arenas[file_number], tensor_number)
+        for file_number, tensors in enumerate(waiting):
+            for tensor_number in tensors.ready_without_reads():
+                yield _tensor(layouts[file_number], arenas[file_number], tensor_number)
         pending = set(futures)
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -83,6 +66,46 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
                 file_number, request_number = futures.pop(future)
                 for tensor_number in waiting[file_number].request_done(request_number):
                     yield _tensor(layouts[file_number], arenas[file_number], tensor_number)
+
+
+def _submit_prefaults(prefaulter: ThreadPoolExecutor, layouts: list[FileLayout], arenas: list[HostArena]) -> None:
+    """Page faults of fresh memory cost more than the copy on these VMs: one thread takes them ahead
+    of the readers, which then copy (or DMA) into memory that is already there."""
+    for layout, arena in zip(layouts, arenas):
+        for request in layout.requests:
+            prefaulter.submit(arena.populate, request.dest_offset, request.nbytes)
+
+
+def _submit_reads(
+    readers: ThreadPoolExecutor,
+    layouts: list[FileLayout],
+    sources: list[Source],
+    arenas: list[HostArena],
+    stop: threading.Event,
+    opts: LoadOptions,
+    futures: dict[Future, tuple[int, int]],
+) -> None:
+    for file_number, (layout, source, arena) in enumerate(zip(layouts, sources, arenas)):
+        for request_number, request in enumerate(layout.requests):
+            futures[readers.submit(_read, source, request, arena.view, stop, opts)] = (file_number, request_number)
+
+
+@contextlib.contextmanager
+def _open(store: Store, path: str, planned_size: int, opts: LoadOptions) -> Iterator[Source]:
+    source = store.open(path, direct=opts.direct_io)
+    try:
+        if source.size != planned_size:
+            raise SourceChangedError(
+                f"{path}: is {source.size} bytes now, {planned_size} when its header was read (it changed while loading)"
+            )
+        yield source
+    finally:
+        source.close()
+
+
+def _huge_pages(source: Source, opts: LoadOptions) -> bool:
+    """Huge pages pay off for direct reads; recycled 4 KiB pages fault in faster for buffered ones."""
+    return source.direct if opts.huge_pages == "auto" else opts.huge_pages
 
 
 def _forget_failures(futures: Iterable[Future]) -> None:

@@ -185,12 +185,12 @@ def mutations(draw):
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(blob=mutations())
-def test_mutated_files_give_typed_errors_or_a_correct_load(blob, tmp_path: Path):
+@given(blob=mutations(), direct=st.booleans())
+def test_mutated_files_give_typed_errors_or_a_correct_load(blob, direct, tmp_path: Path):
     path = tmp_path / "fuzz.safetensors"
     path.write_bytes(blob)
     try:
-        loaded = weightstream.load_weights(path, chunk_bytes=4096)
+        loaded = weightstream.load_weights(path, chunk_bytes=4096, direct_io=direct)
     except weightstream.WeightstreamError as error:
         assert isinstance(error, (HeaderError, TruncatedFileError)), repr(error)
         return

@@ -114,6 +114,13 @@ def test_cold_files_are_read_directly_on_auto(layout, tmp_path: Path, tiny_state
     assert_same(weightstream.load_weights(uri, format=name), tiny_state)
 
 
+def test_filter_selecting_nothing(layout, tmp_path: Path, tiny_state, no_leaks):
+    name, writer = layout
+    uri = writer(tiny_state, tmp_path / "ckpt")
+    assert weightstream.load_weights(uri, format=name, filter=lambda n: False) == {}
+    assert weightstream.load_weights(uri, format=name, filter=[]) == {}
+
+
 def test_filter_naming_a_missing_tensor(layout, tmp_path: Path, tiny_state, no_leaks):
     name, writer = layout
     uri = writer(tiny_state, tmp_path / "ckpt")
