@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 
@@ -45,8 +44,18 @@ def measure(method: str, uri: str, files: list[str]) -> dict[str, object]:
         "bytes": sum(os.path.getsize(path) for path in files),
         "tensors": len(kept),
         "baseline_rss": baseline,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": _peak_rss(),
     }
+
+
+def _peak_rss() -> int:
+    """VmHWM, this address space's high-water mark. Not ru_maxrss: exec records the parent's
+    (forked) address space into it, so a child of a big parent would report the parent's size."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _rss() -> int:
