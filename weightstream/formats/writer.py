@@ -21,7 +21,7 @@ def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
 
     Example:
         >>> encode_header({"w": torch.zeros(2, dtype=torch.uint8)})[:8]
-        b'@\\x00\\x00\\x00\\x00\\x00\\x00\\x00'
+        b'8\\x00\\x00\\x00\\x00\\x00\\x00\\x00'
     """
     document: dict[str, object] = {}
     if metadata:
