@@ -26,6 +26,7 @@ def test_defaults():
     ({"filter": 3}, OptionError, r"filter must be a collection of names or a predicate, got int"),
     ({"huge_pages": "yes"}, InvalidOptionError, r"huge_pages must be True, False or 'auto', got 'yes'"),
     ({"prefault": 1}, OptionError, r"prefault must be a bool, got int"),
+    ({"zero_copy": "yes"}, OptionError, r"zero_copy must be a bool, got str"),
     ({"direct_io": 1}, InvalidOptionError, r"direct_io must be True, False or 'auto', got 1"),
     ({"direct_io": "yes"}, InvalidOptionError, r"direct_io must be True, False or 'auto', got 'yes'"),
     ({"chunk_bytes": 6000}, InvalidOptionError, r"chunk_bytes must be a positive multiple of 4096, got 6000"),
@@ -37,7 +38,7 @@ def test_bad_values(kwargs, error, message):
 
 
 def test_unknown_option_lists_known_ones():
-    with pytest.raises(OptionError, match=r"unknown option\(s\) nthreads; known options: chunk_bytes, device, direct_io, filter, huge_pages, prefault, progress, threads"):
+    with pytest.raises(OptionError, match=r"unknown option\(s\) nthreads; known options: chunk_bytes, device, direct_io, filter, huge_pages, prefault, progress, threads, zero_copy"):
         LoadOptions.from_kwargs(nthreads=2)
 
 

@@ -70,5 +70,9 @@ class TensorNotFound(WeightstreamError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class HostMemoryError(WeightstreamError, MemoryError):
+    """Host memory for the tensors could not be allocated."""
+
+
 class BenchmarkError(WeightstreamError, RuntimeError):
     """A benchmark run failed, or its conditions (a cold or warm page cache) could not be established."""

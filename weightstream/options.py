@@ -53,6 +53,11 @@ class LoadOptions:
     prefault: bool = True
     """Fault destination pages in from a helper thread, ahead of the readers. Default ``True``."""
 
+    zero_copy: bool = False
+    """Return views of a private mapping of each file instead of owned memory: no copy and no
+    fresh pages, for callers that copy each tensor out at once. Default ``False``. The tensors
+    are file-backed: truncating the file while they live makes reading them fault (SIGBUS)."""
+
     progress: ProgressCallback | None = None
     """Called from reader threads with each count of bytes read. Default ``None``."""
 
@@ -62,8 +67,9 @@ class LoadOptions:
             raise InvalidOptionError(f"threads must be a positive integer or None, got {self.threads!r}")
         if not _is_int(self.chunk_bytes) or self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
             raise InvalidOptionError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes!r}")
-        if not isinstance(self.prefault, bool):
-            raise OptionError(f"prefault must be a bool, got {type(self.prefault).__name__}")
+        for name in ("prefault", "zero_copy"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("direct_io", "huge_pages"):
             if not (isinstance(getattr(self, name), bool) or getattr(self, name) == "auto"):
                 raise InvalidOptionError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")

@@ -18,7 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from weightstream.errors import SourceChangedError
-from weightstream.memory.host import HostArena
+from weightstream.memory.host import HostArena, MappedFile
 from weightstream.options import LoadOptions
 from weightstream.plan import PAGE, FileLayout, LoadPlan, ReadRequest, layout_file
 from weightstream.sources.base import Source, Store
@@ -33,6 +33,9 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
         >>> for name, tensor in read_tensors(LocalStore(), plan, LoadOptions()):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
+    if opts.zero_copy:
+        yield from _mapped_tensors(plan, opts)
+        return
     layouts = [layout_file(plan.tensors_of(spec.path), opts.chunk_bytes) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
     sizes = {spec.path: spec.size for spec in plan.files}
@@ -66,6 +69,19 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
                 file_number, request_number = futures.pop(future)
                 for tensor_number in waiting[file_number].request_done(request_number):
                     yield _tensor(layouts[file_number], arenas[file_number], tensor_number)
+
+
+def _mapped_tensors(plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+    """``zero_copy``: views of each file's private mapping, after checking the file is unchanged."""
+    for spec in plan.files:
+        tensors = plan.tensors_of(spec.path)
+        if not tensors:
+            continue
+        mapped = MappedFile(spec.path, spec.size)
+        for tensor in tensors:
+            yield tensor.name, mapped.tensor(tensor)
+        if opts.progress is not None:
+            opts.progress(sum(tensor.nbytes for tensor in tensors))
 
 
 def _submit_prefaults(prefaulter: ThreadPoolExecutor, layouts: list[FileLayout], arenas: list[HostArena]) -> None:

@@ -47,9 +47,10 @@ def test_file_truncated_during_load(big_checkpoint, no_leaks):
     assert psutil.Process().memory_info().rss - baseline < 32 * MIB, "the arenas of a failed load were not released"
 
 
-def test_file_changed_between_plan_and_read(big_checkpoint, no_leaks):
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_file_changed_between_plan_and_read(big_checkpoint, zero_copy, no_leaks):
     name, uri = big_checkpoint
-    stream = weightstream.iter_weights(uri, format=name)
+    stream = weightstream.iter_weights(uri, format=name, zero_copy=zero_copy)
     victim = files_of(uri)[0]
     with open(victim, "ab") as file:
         file.write(b"more")

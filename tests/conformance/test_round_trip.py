@@ -67,10 +67,12 @@ IO_MODES = [
     {"direct_io": False, "prefault": False, "huge_pages": False},
     {"direct_io": True},
     {"direct_io": "auto", "prefault": False},
+    {"zero_copy": True},
 ]
+IO_IDS = ["buffered-4k", "direct", "auto", "zero-copy"]
 
 
-@pytest.mark.parametrize("io", IO_MODES, ids=["buffered-4k", "direct", "auto"])
+@pytest.mark.parametrize("io", IO_MODES, ids=IO_IDS)
 def test_llama_checkpoint(layout, io, tmp_path: Path, tiny_state, no_leaks):
     name, writer = layout
     uri = writer(tiny_state, tmp_path / "ckpt")
@@ -78,7 +80,7 @@ def test_llama_checkpoint(layout, io, tmp_path: Path, tiny_state, no_leaks):
     assert_same(dict(weightstream.iter_weights(uri, format=name, chunk_bytes=4096, threads=3, **io)), tiny_state)
 
 
-@pytest.mark.parametrize("io", IO_MODES, ids=["buffered-4k", "direct", "auto"])
+@pytest.mark.parametrize("io", IO_MODES, ids=IO_IDS)
 def test_filter_by_names_and_predicate(layout, io, tmp_path: Path, tiny_state, no_leaks):
     """Runs of wanted bytes separated by unwanted ones: direct reads widen to pages and must not clobber."""
     name, writer = layout
@@ -89,11 +91,21 @@ def test_filter_by_names_and_predicate(layout, io, tmp_path: Path, tiny_state, n
     assert_same(weightstream.load_weights(uri, format=name, filter=lambda n: ".layers.2." in n, **io), layer_two)
 
 
-def test_every_dtype_read_directly(layout, tmp_path: Path, no_leaks):
+@pytest.mark.parametrize("io", [{"direct_io": True, "chunk_bytes": 4096}, {"zero_copy": True}], ids=["direct", "zero-copy"])
+def test_every_dtype_read_directly_or_mapped(layout, io, tmp_path: Path, no_leaks):
     name, writer = layout
     state = every_dtype()
     uri = writer(state, tmp_path / "ckpt")
-    assert_same(weightstream.load_weights(uri, format=name, direct_io=True, chunk_bytes=4096), state)
+    assert_same(weightstream.load_weights(uri, format=name, **io), state)
+
+
+def test_zero_copy_tensors_are_private(layout, tmp_path: Path, tiny_state, no_leaks):
+    """Writing to a zero-copy tensor copies its page: the file and other loads are unchanged."""
+    name, writer = layout
+    uri = writer(tiny_state, tmp_path / "ckpt")
+    mapped = weightstream.load_weights(uri, format=name, zero_copy=True)
+    mapped["lm_head.weight"].fill_(7)
+    assert_same(weightstream.load_weights(uri, format=name), tiny_state)
 
 
 def test_cold_files_are_read_directly_on_auto(layout, tmp_path: Path, tiny_state, no_leaks):

@@ -40,6 +40,13 @@ def weightstream_buffered(uri: str, files: list[str]) -> Iterator[tuple[str, tor
     yield from weightstream.iter_weights(uri, direct_io=False)
 
 
+def weightstream_zero_copy(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """weightstream.iter_weights with ``zero_copy=True``: file-backed views, like safetensors' (not owned)."""
+    import weightstream
+
+    yield from weightstream.iter_weights(uri, zero_copy=True)
+
+
 def safetensors_load_file(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """safetensors.torch.load_file per file: views of a file mapping (not owned memory)."""
     from safetensors.torch import load_file
@@ -109,6 +116,7 @@ METHODS: dict[str, tuple[Method, str | None]] = {
     "weightstream": (weightstream_loader, None),
     "weightstream-4k-pages": (weightstream_small_pages, None),
     "weightstream-buffered": (weightstream_buffered, None),
+    "weightstream-zero-copy": (weightstream_zero_copy, None),
     "safetensors.load_file": (safetensors_load_file, "safetensors"),
     "safetensors.safe_open": (safetensors_safe_open, "safetensors"),
     "runai-model-streamer": (runai_model_streamer, "runai_model_streamer"),

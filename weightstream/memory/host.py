@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import warnings
 
 import torch
 
+from weightstream.errors import HostMemoryError, SourceChangedError, SourceError
 from weightstream.plan import TensorSpec
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,10 @@ class HostArena:
             self._bytes = torch.empty(0, dtype=torch.uint8)
             self.view = memoryview(b"")
             return
-        mapping = self._mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            mapping = self._mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as error:
+            raise HostMemoryError(f"cannot map {nbytes} bytes of host memory: {error.strerror}") from None
         if huge_pages:
             try:
                 mapping.madvise(mmap.MADV_HUGEPAGE)
@@ -66,11 +71,52 @@ class HostArena:
 
     def tensor(self, offset: int, spec: TensorSpec) -> torch.Tensor:
         """The tensor ``spec`` whose bytes sit at ``offset``: a view when aligned, else an aligned copy."""
-        if spec.nbytes == 0:
-            return torch.empty(spec.shape, dtype=spec.dtype)
-        raw = self._bytes[offset : offset + spec.nbytes]
-        if offset % spec.dtype.itemsize == 0:
-            return raw.view(spec.dtype).view(spec.shape)
-        aligned = torch.empty(spec.shape, dtype=spec.dtype)
-        aligned.view(-1).view(torch.uint8).copy_(raw)
-        return aligned
+        return view_as(self._bytes, offset, spec)
+
+
+class MappedFile:
+    """A private (copy-on-write) mapping of a whole file, for ``zero_copy`` loads.
+
+    Tensors are views of the file's page-cache pages: no copy, no fresh memory, but they are
+    not owned. Writing to one copies that page privately; truncating the file while one lives
+    makes reading it fault (SIGBUS).
+    """
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path = path
+        with open(path, "rb") as file:
+            actual = os.fstat(file.fileno()).st_size
+            if actual != size:  # a mapping longer than the file would fault past its end
+                raise SourceChangedError(f"{path}: is {actual} bytes now, {size} when its header was read (it changed while loading)")
+            if size == 0:
+                self._bytes = torch.empty(0, dtype=torch.uint8)
+                return
+            try:
+                mapping = mmap.mmap(file.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except (OSError, ValueError) as error:
+                raise SourceError(f"{path}: cannot map {size} bytes: {error}") from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
+
+    def tensor(self, spec: TensorSpec) -> torch.Tensor:
+        """The tensor ``spec``, a view of the mapping at its file offset (an aligned copy if misaligned)."""
+        return view_as(self._bytes, spec.offset, spec)
+
+
+def view_as(raw_bytes: torch.Tensor, offset: int, spec: TensorSpec) -> torch.Tensor:
+    """``spec`` over ``raw_bytes[offset:]``: a view when ``offset`` suits the dtype, else an aligned copy.
+
+    Example:
+        >>> raw = torch.tensor([0, 1, 0, 0, 0], dtype=torch.uint8)
+        >>> view_as(raw, 1, TensorSpec("w", torch.int32, (), "f", 0, 4)).item()
+        1
+    """
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=spec.dtype)
+    raw = raw_bytes[offset : offset + spec.nbytes]
+    if offset % spec.dtype.itemsize == 0:
+        return raw.view(spec.dtype).view(spec.shape)
+    aligned = torch.empty(spec.shape, dtype=spec.dtype)
+    aligned.view(-1).view(torch.uint8).copy_(raw)
+    return aligned
