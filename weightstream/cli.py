@@ -19,7 +19,7 @@ from weightstream.api import plan_load
 from weightstream.bench.demo import GIB, demo_checkpoint
 from weightstream.bench.methods import METHODS
 from weightstream.bench.runner import CACHES, format_table, plot, run_bench
-from weightstream.errors import InvalidOptionError, WeightstreamError
+from weightstream.errors import WeightstreamError
 from weightstream.formats.safetensors import DTYPE_NAMES
 from weightstream.progress import ProgressBar
 

@@ -41,7 +41,7 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
     sizes = {spec.path: spec.size for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
         sources = [cleanup.enter_context(_open(store, layout.file, sizes[layout.file], opts)) for layout in layouts]
-        arenas = [HostArena(layout.buffer_bytes, huge_pages=_huge_pages(source, opts)) for layout, source in zip(layouts, sources)]
+        arenas = [HostArena(layout.buffer_bytes, huge_pages=_huge_pages(source, opts)) for layout, source in zip(layouts, sources, strict=True)]
         # Registered before the executors' shutdown, so it runs after the readers stopped writing.
         # Dropping the arenas here (not when a traceback lets go of this frame) frees the memory at once.
         cleanup.callback(arenas.clear)
@@ -87,7 +87,7 @@ def _mapped_tensors(plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, to
 def _submit_prefaults(prefaulter: ThreadPoolExecutor, layouts: list[FileLayout], arenas: list[HostArena]) -> None:
     """Page faults of fresh memory cost more than the copy on these VMs: one thread takes them ahead
     of the readers, which then copy (or DMA) into memory that is already there."""
-    for layout, arena in zip(layouts, arenas):
+    for layout, arena in zip(layouts, arenas, strict=True):
         for request in layout.requests:
             prefaulter.submit(arena.populate, request.dest_offset, request.nbytes)
 
@@ -101,7 +101,7 @@ def _submit_reads(
     opts: LoadOptions,
     futures: dict[Future, tuple[int, int]],
 ) -> None:
-    for file_number, (layout, source, arena) in enumerate(zip(layouts, sources, arenas)):
+    for file_number, (layout, source, arena) in enumerate(zip(layouts, sources, arenas, strict=True)):
         for request_number, request in enumerate(layout.requests):
             futures[readers.submit(_read, source, request, arena.view, stop, opts)] = (file_number, request_number)
 
