@@ -17,11 +17,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
-from weightstream.errors import SourceChangedError
 from weightstream.memory.host import HostArena, MappedFile
 from weightstream.options import LoadOptions
 from weightstream.plan import PAGE, FileLayout, LoadPlan, ReadRequest, layout_file
-from weightstream.sources.base import Source, Store
+from weightstream.sources.base import Source, Store, check_unchanged
 
 THREAD_NAME_PREFIX = "weightstream-read"
 
@@ -110,10 +109,7 @@ def _submit_reads(
 def _open(store: Store, path: str, planned_size: int, opts: LoadOptions) -> Iterator[Source]:
     source = store.open(path, direct=opts.direct_io)
     try:
-        if source.size != planned_size:
-            raise SourceChangedError(
-                f"{path}: is {source.size} bytes now, {planned_size} when its header was read (it changed while loading)"
-            )
+        check_unchanged(path, planned_size, source.size)
         yield source
     finally:
         source.close()

@@ -19,32 +19,15 @@ from weightstream.sources.pagecache import BLOCK
 Method = Callable[[str, list[str]], Iterator[tuple[str, torch.Tensor]]]
 
 
-def weightstream_loader(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """weightstream.iter_weights: owned memory, tensors yielded as they complete."""
-    import weightstream
+def weightstream_with(**options: object) -> Method:
+    """weightstream.iter_weights with ``options`` (none: the defaults, owned memory)."""
 
-    yield from weightstream.iter_weights(uri)
+    def load(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        import weightstream
 
+        yield from weightstream.iter_weights(uri, **options)
 
-def weightstream_small_pages(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """weightstream.iter_weights with ``huge_pages=False``: what transparent huge pages are worth."""
-    import weightstream
-
-    yield from weightstream.iter_weights(uri, huge_pages=False)
-
-
-def weightstream_buffered(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """weightstream.iter_weights with ``direct_io=False``: what direct reads are worth when cold."""
-    import weightstream
-
-    yield from weightstream.iter_weights(uri, direct_io=False)
-
-
-def weightstream_zero_copy(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """weightstream.iter_weights with ``zero_copy=True``: file-backed views, like safetensors' (not owned)."""
-    import weightstream
-
-    yield from weightstream.iter_weights(uri, zero_copy=True)
+    return load
 
 
 def safetensors_load_file(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -113,10 +96,11 @@ def limit_read_reused(uri: str, files: list[str]) -> Iterator[tuple[str, torch.T
 
 
 METHODS: dict[str, tuple[Method, str | None]] = {
-    "weightstream": (weightstream_loader, None),
-    "weightstream-4k-pages": (weightstream_small_pages, None),
-    "weightstream-buffered": (weightstream_buffered, None),
-    "weightstream-zero-copy": (weightstream_zero_copy, None),
+    "weightstream": (weightstream_with(), None),
+    # What each default is worth: transparent huge pages, direct reads when cold, owned memory.
+    "weightstream-4k-pages": (weightstream_with(huge_pages=False), None),
+    "weightstream-buffered": (weightstream_with(direct_io=False), None),
+    "weightstream-zero-copy": (weightstream_with(zero_copy=True), None),
     "safetensors.load_file": (safetensors_load_file, "safetensors"),
     "safetensors.safe_open": (safetensors_safe_open, "safetensors"),
     "runai-model-streamer": (runai_model_streamer, "runai_model_streamer"),

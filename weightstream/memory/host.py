@@ -16,8 +16,9 @@ import warnings
 
 import torch
 
-from weightstream.errors import HostMemoryError, SourceChangedError, SourceError
+from weightstream.errors import HostMemoryError, SourceError
 from weightstream.plan import TensorSpec
+from weightstream.sources.base import check_unchanged
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +86,7 @@ class MappedFile:
     def __init__(self, path: str, size: int) -> None:
         self.path = path
         with open(path, "rb") as file:
-            actual = os.fstat(file.fileno()).st_size
-            if actual != size:  # a mapping longer than the file would fault past its end
-                raise SourceChangedError(f"{path}: is {actual} bytes now, {size} when its header was read (it changed while loading)")
+            check_unchanged(path, size, os.fstat(file.fileno()).st_size)  # a mapping past the end would fault
             if size == 0:
                 self._bytes = torch.empty(0, dtype=torch.uint8)
                 return

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from weightstream.errors import SourceChangedError
+
 
 class Source(Protocol):
     """One open, readable object of a known size (a file, an object-store key)."""
@@ -42,3 +44,9 @@ class Store(Protocol):
 
     def open(self, uri: str, *, direct: bool | str = False) -> Source:
         """Open ``uri`` for reading; ``direct`` is ``True``, ``False`` or ``"auto"`` (see ``LoadOptions.direct_io``)."""
+
+
+def check_unchanged(uri: str, planned_size: int, size_now: int) -> None:
+    """Raise if an object's size differs from the size its header was planned with."""
+    if size_now != planned_size:
+        raise SourceChangedError(f"{uri}: is {size_now} bytes now, {planned_size} when its header was read (it changed while loading)")
