@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import weightstream
 from weightstream import LoadOptions
@@ -27,6 +28,7 @@ def test_defaults():
     ({"huge_pages": "yes"}, InvalidOptionError, r"huge_pages must be True, False or 'auto', got 'yes'"),
     ({"prefault": 1}, OptionError, r"prefault must be a bool, got int"),
     ({"zero_copy": "yes"}, OptionError, r"zero_copy must be a bool, got str"),
+    ({"pin_memory": "always"}, InvalidOptionError, r"pin_memory must be True, False or 'auto', got 'always'"),
     ({"direct_io": 1}, InvalidOptionError, r"direct_io must be True, False or 'auto', got 1"),
     ({"direct_io": "yes"}, InvalidOptionError, r"direct_io must be True, False or 'auto', got 'yes'"),
     ({"chunk_bytes": 6000}, InvalidOptionError, r"chunk_bytes must be a positive multiple of 4096, got 6000"),
@@ -38,10 +40,12 @@ def test_bad_values(kwargs, error, message):
 
 
 def test_unknown_option_lists_known_ones():
-    with pytest.raises(OptionError, match=r"unknown option\(s\) nthreads; known options: chunk_bytes, device, direct_io, filter, huge_pages, prefault, progress, threads, zero_copy"):
+    with pytest.raises(OptionError, match=r"unknown option\(s\) nthreads; known options: chunk_bytes, device, direct_io, filter, huge_pages, pin_memory, prefault, progress, threads, zero_copy"):
         LoadOptions.from_kwargs(nthreads=2)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_device_is_refused_by_the_cpu_only_loader(tmp_path):
     (tmp_path / "x.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(InvalidOptionError, match=r"device 'cuda:0': the safetensors loader supports only 'cpu' in this version"):
@@ -52,3 +56,24 @@ def test_filter_wants():
     assert LoadOptions(filter=["a"]).wants("a") and not LoadOptions(filter=["a"]).wants("b")
     assert LoadOptions(filter=lambda name: name.endswith("x")).wants("ax")
     assert LoadOptions().wants("anything")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without CUDA")
+@pytest.mark.parametrize("options, message", [
+    ({"device": "cuda"}, r"device 'cuda' requested, but torch .* sees no CUDA device; nothing falls back to the CPU"),
+    ({"device": "cuda:1"}, r"device 'cuda:1' requested, but torch .* sees no CUDA device"),
+    ({"pin_memory": True}, r"pin_memory=True needs CUDA .* use pin_memory='auto' to pin only where CUDA is present"),
+])
+def test_cuda_destinations_refused_without_cuda(tmp_path, options, message, no_leaks):
+    (tmp_path / "x.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    with pytest.raises(weightstream.DeviceUnavailableError, match=message):
+        weightstream.iter_weights(tmp_path / "x.safetensors", **options)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="'auto' pins where CUDA is present")
+def test_pin_memory_auto_without_cuda_loads_pageable(tmp_path, no_leaks):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(3)}, str(tmp_path / "x.safetensors"))
+    loaded = weightstream.load_weights(tmp_path / "x.safetensors", pin_memory="auto")
+    assert not loaded["w"].is_pinned() and loaded["w"].tolist() == [1.0, 1.0, 1.0]

@@ -8,6 +8,7 @@ Example:
 from weightstream.api import iter_weights, load_weights, plan_load, resolve_format
 from weightstream.errors import (
     BenchmarkError,
+    DeviceUnavailableError,
     FormatError,
     HeaderError,
     HostMemoryError,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BenchmarkError",
+    "DeviceUnavailableError",
     "FormatError",
     "HeaderError",
     "HostMemoryError",

@@ -70,6 +70,10 @@ class TensorNotFound(WeightstreamError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class DeviceUnavailableError(WeightstreamError, RuntimeError):
+    """The requested destination (a CUDA device, pinned memory) does not exist on this machine."""
+
+
 class HostMemoryError(WeightstreamError, MemoryError):
     """Host memory for the tensors could not be allocated."""
 

@@ -31,6 +31,10 @@ class LoadOptions:
     device: str = "cpu"
     """Where tensors land. Default ``"cpu"``: memory the caller owns."""
 
+    pin_memory: bool | str = False
+    """Page-locked (pinned) CPU tensors: ``True``, ``False`` (default) or ``"auto"`` (pin when CUDA
+    is available). ``True`` on a machine without CUDA raises ``DeviceUnavailableError``."""
+
     threads: int | None = None
     """Reader threads. Default ``None``: twice the number of CPUs, at least 8 (a cold direct read
     wants many requests in flight; threads waiting on the disk leave the CPU to the others)."""
@@ -70,7 +74,7 @@ class LoadOptions:
         for name in ("prefault", "zero_copy"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        for name in ("direct_io", "huge_pages"):
+        for name in ("direct_io", "huge_pages", "pin_memory"):
             if not (isinstance(getattr(self, name), bool) or getattr(self, name) == "auto"):
                 raise InvalidOptionError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
         if self.progress is not None and not callable(self.progress):

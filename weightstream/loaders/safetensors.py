@@ -9,6 +9,7 @@ import torch
 
 from weightstream.errors import InvalidOptionError
 from weightstream.formats.checkpoint import read_plan
+from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.plan import LoadPlan
 from weightstream.reader import read_tensors
@@ -35,5 +36,8 @@ class SafetensorsLoader:
 
 
 def _check_device(opts: LoadOptions) -> None:
+    pinned = check_destination(opts.device, opts.pin_memory)
     if torch.device(opts.device).type != "cpu":
         raise InvalidOptionError(f"device {opts.device!r}: the safetensors loader supports only 'cpu' in this version")
+    if pinned:
+        raise InvalidOptionError("pin_memory: the safetensors loader does not pin memory in this version")
