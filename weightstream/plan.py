@@ -117,7 +117,7 @@ def layout_file(tensors: Sequence[TensorSpec], chunk_bytes: int) -> FileLayout:
     requests = tuple(_split(ordered[0].file if ordered else "", runs, chunk_bytes))
     return FileLayout(
         file=ordered[0].file if ordered else "",
-        buffer_bytes=_round_up(dest_end),
+        buffer_bytes=round_up_to_page(dest_end),
         tensor_offsets=tuple(placed),
         requests=requests,
         tensor_requests=tuple(_requests_of(spec, requests) for spec, _ in placed),
@@ -126,10 +126,11 @@ def layout_file(tensors: Sequence[TensorSpec], chunk_bytes: int) -> FileLayout:
 
 def _align_like(position: int, file_offset: int) -> int:
     """On the first page boundary at or after ``position``, at ``file_offset``'s offset within its page."""
-    return _round_up(position) + file_offset % PAGE
+    return round_up_to_page(position) + file_offset % PAGE
 
 
-def _round_up(position: int) -> int:
+def round_up_to_page(position: int) -> int:
+    """The first multiple of PAGE at or after ``position``."""
     return -(-position // PAGE) * PAGE
 
 

@@ -19,7 +19,7 @@ import torch
 
 from weightstream.memory.host import HostArena, MappedFile
 from weightstream.options import LoadOptions
-from weightstream.plan import PAGE, FileLayout, LoadPlan, ReadRequest, layout_file
+from weightstream.plan import PAGE, FileLayout, LoadPlan, ReadRequest, layout_file, round_up_to_page
 from weightstream.sources.base import Source, Store, check_unchanged
 
 THREAD_NAME_PREFIX = "weightstream-read"
@@ -134,7 +134,7 @@ def _read(source: Source, request: ReadRequest, view: memoryview, stop: threadin
     if source.direct:
         # Widen to whole pages: the layout keeps the extra bytes on pages no other run uses.
         head = request.offset % PAGE
-        length = -(-(head + request.nbytes) // PAGE) * PAGE
+        length = round_up_to_page(head + request.nbytes)
         start = request.dest_offset - head
         source.read_into(request.offset - head, view[start : start + length])
     else:

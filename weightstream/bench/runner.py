@@ -16,11 +16,10 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
-from weightstream.sources import pagecache
 from weightstream.bench.methods import METHODS, missing_module
 from weightstream.errors import BenchmarkError, InvalidOptionError
 from weightstream.formats.checkpoint import find_files
-from weightstream.sources import store_for
+from weightstream.sources import pagecache, store_for
 
 CACHES = ("cold", "warm")
 COLD_RESIDENCY = 0.02
