@@ -5,18 +5,25 @@ One anonymous mapping per file holds that file's tensors. An anonymous mapping (
 to a fresh 4 KiB page costs more than the copy itself, and 2 MiB pages cut that cost
 several times over (see ``benchmarks/README.md``). The mapping is freed when the last
 tensor viewing it is garbage collected: ``torch.frombuffer`` keeps the mapping alive.
+
+A pinned arena is the same mapping, page-locked with ``cudaHostRegister``. Its tensors view a
+ctypes array over the mapping whose finaliser unregisters the pages: that finaliser runs when
+the last tensor dies and before the mapping is unmapped (the array still holds it then).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
 import warnings
+import weakref
 
 import torch
 
 from weightstream.errors import HostMemoryError, SourceError
+from weightstream.memory import pinning
 from weightstream.plan import TensorSpec
 from weightstream.sources.base import check_unchanged
 
@@ -27,7 +34,7 @@ MADV_POPULATE_WRITE = 23
 
 
 class HostArena:
-    """``nbytes`` of zero-initialised, page-aligned, caller-owned memory.
+    """``nbytes`` of zero-initialised, page-aligned, caller-owned memory, page-locked if ``pinned``.
 
     Example:
         >>> arena = HostArena(4096, huge_pages=False)
@@ -37,12 +44,13 @@ class HostArena:
         [1]
     """
 
-    def __init__(self, nbytes: int, *, huge_pages: bool) -> None:
+    def __init__(self, nbytes: int, *, huge_pages: bool, pinned: bool = False) -> None:
         self.nbytes = nbytes
+        self.pinned = pinned
         self._mapping = None
         self._populate_works = True
         if nbytes == 0:
-            self._bytes = torch.empty(0, dtype=torch.uint8)
+            self.bytes = torch.empty(0, dtype=torch.uint8, pin_memory=pinned)
             self.view = memoryview(b"")
             return
         try:
@@ -54,9 +62,14 @@ class HostArena:
                 mapping.madvise(mmap.MADV_HUGEPAGE)
             except OSError as error:  # THP disabled in this kernel: 4 KiB pages still work, only slower.
                 log.info("madvise(MADV_HUGEPAGE) refused (%s); using 4 KiB pages", error)
+        try:
+            exporter = _pinned(mapping, nbytes) if pinned else mapping
+        except BaseException:
+            mapping.close()  # unmapped now, not when the caller lets go of the traceback
+            raise
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # frombuffer warns on buffers it cannot prove writable
-            self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
+            self.bytes = torch.frombuffer(exporter, dtype=torch.uint8)
         self.view = memoryview(mapping)
 
     def populate(self, offset: int, nbytes: int) -> None:
@@ -72,7 +85,21 @@ class HostArena:
 
     def tensor(self, offset: int, spec: TensorSpec) -> torch.Tensor:
         """The tensor ``spec`` whose bytes sit at ``offset``: a view when aligned, else an aligned copy."""
-        return view_as(self._bytes, offset, spec)
+        return view_as(self.bytes, offset, spec)
+
+
+def _pinned(mapping: mmap.mmap, nbytes: int) -> ctypes.Array:
+    """A ctypes array over ``mapping``, page-locked until the array dies (with the last tensor over it)."""
+    array = (ctypes.c_ubyte * nbytes).from_buffer(mapping)
+    address = ctypes.addressof(array)
+    try:
+        pinning.register(address, nbytes)
+    except BaseException:
+        del array  # its export of the mapping would keep the mapping from closing
+        raise
+    finaliser = weakref.finalize(array, pinning.unregister, address)
+    finaliser.atexit = False  # at interpreter exit the CUDA runtime may be gone; the process unlocks its pages anyway
+    return array
 
 
 class MappedFile:
@@ -112,10 +139,10 @@ def view_as(raw_bytes: torch.Tensor, offset: int, spec: TensorSpec) -> torch.Ten
         1
     """
     if spec.nbytes == 0:
-        return torch.empty(spec.shape, dtype=spec.dtype)
+        return torch.empty(spec.shape, dtype=spec.dtype, device=raw_bytes.device, pin_memory=raw_bytes.is_pinned())
     raw = raw_bytes[offset : offset + spec.nbytes]
     if offset % spec.dtype.itemsize == 0:
         return raw.view(spec.dtype).view(spec.shape)
-    aligned = torch.empty(spec.shape, dtype=spec.dtype)
+    aligned = torch.empty(spec.shape, dtype=spec.dtype, device=raw_bytes.device, pin_memory=raw_bytes.is_pinned())
     aligned.view(-1).view(torch.uint8).copy_(raw)
     return aligned
