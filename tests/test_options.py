@@ -33,6 +33,13 @@ def test_defaults():
     ({"direct_io": "yes"}, InvalidOptionError, r"direct_io must be True, False or 'auto', got 'yes'"),
     ({"chunk_bytes": 6000}, InvalidOptionError, r"chunk_bytes must be a positive multiple of 4096, got 6000"),
     ({"progress": 5}, OptionError, r"progress must be callable, got int"),
+    ({"staging_slots": 0}, InvalidOptionError, r"staging_slots must be a positive integer, got 0"),
+    ({"staging_slot_bytes": 5000}, InvalidOptionError, r"staging_slot_bytes must be a multiple of 4096, got 5000"),
+    ({"staging_slots": 300, "staging_slot_bytes": 16 << 20}, InvalidOptionError,
+     r"staging_slots x staging_slot_bytes = 300 x 16777216 bytes exceeds the 4 GiB bound on pinned staging"),
+    ({"device": "cuda", "pin_memory": True}, InvalidOptionError, r"pin_memory=True is for CPU destinations; device 'cuda' is not one"),
+    ({"device": "cuda:0", "zero_copy": True}, InvalidOptionError, r"zero_copy returns views of a file mapping: it cannot land on a GPU"),
+    ({"pin_memory": True, "zero_copy": True}, InvalidOptionError, r"zero_copy .* or in pinned memory"),
 ])
 def test_bad_values(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -40,16 +47,17 @@ def test_bad_values(kwargs, error, message):
 
 
 def test_unknown_option_lists_known_ones():
-    with pytest.raises(OptionError, match=r"unknown option\(s\) nthreads; known options: chunk_bytes, device, direct_io, filter, huge_pages, pin_memory, prefault, progress, threads, zero_copy"):
+    with pytest.raises(OptionError, match=r"unknown option\(s\) nthreads; known options: chunk_bytes, device, direct_io, filter, huge_pages, pin_memory, prefault, progress, staging_slot_bytes, staging_slots, threads, zero_copy"):
         LoadOptions.from_kwargs(nthreads=2)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_device_is_refused_by_the_cpu_only_loader(tmp_path):
+def test_a_cuda_device_this_machine_lacks_is_refused(tmp_path, no_leaks):
     (tmp_path / "x.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
-    with pytest.raises(InvalidOptionError, match=r"device 'cuda:0': the safetensors loader supports only 'cpu' in this version"):
-        weightstream.load_weights(tmp_path / "x.safetensors", device="cuda:0")
+    missing = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(weightstream.DeviceUnavailableError, match=rf"device '{missing}' requested, but this machine has"):
+        weightstream.load_weights(tmp_path / "x.safetensors", device=missing)
 
 
 def test_filter_wants():

@@ -9,36 +9,8 @@ import time
 import pytest
 import torch
 
+from tests.engines import DelayedCheckingEngine
 from weightstream.memory.ring import CpuCopyEngine, RingClosedError, StagingRing
-
-
-class DelayedCheckingEngine(CpuCopyEngine):
-    """The real CPU engine, with random delays before each copy, checking that nobody wrote into
-    a slot between the launch of its copy and the copy itself (a slot reused too early)."""
-
-    def __init__(self, seed: int, fail_at: int | None = None) -> None:
-        super().__init__(threads=2)
-        self.random = random.Random(seed)
-        self.fail_at = fail_at
-        self.launched = 0
-        self.violations: list[str] = []
-        self.count_lock = threading.Lock()
-
-    def launch(self, source, destination):
-        with self.count_lock:
-            self.launched += 1
-            number = self.launched
-            delay = self.random.random() * 0.004
-        return super().launch((source, source.clone(), number, delay), destination)
-
-    def _copy(self, staged, destination):
-        source, snapshot, number, delay = staged
-        time.sleep(delay)
-        if number == self.fail_at:
-            raise OSError(5, f"copy {number} failed")
-        if not torch.equal(source, snapshot):
-            self.violations.append(f"copy {number}: its slot was overwritten before the copy ran")
-        destination.copy_(source)
 
 
 def run_readers(ring: StagingRing, data: torch.Tensor, destination: torch.Tensor, chunk: int, readers: int, seed: int):
@@ -130,12 +102,49 @@ def test_released_slot_is_handed_out_again(no_leaks):
     ring.close()
 
 
-def test_launch_checks_sizes(no_leaks):
-    ring = StagingRing(CpuCopyEngine(), slot_bytes=16, slots=1)
+def test_slots_are_whole_pages(no_leaks):
+    ring = StagingRing(CpuCopyEngine(), slot_bytes=16, slots=2)
+    slots = [ring.acquire(), ring.acquire()]
+    assert ring.slot_bytes == 4096
+    assert [slot.buffer.data_ptr() % 4096 for slot in slots] == [0, 0]
+    assert slots[1].buffer.data_ptr() - slots[0].buffer.data_ptr() == 4096
+    for slot in slots:
+        ring.release(slot)
+    ring.close()
+
+
+def test_launch_copies_from_an_offset_in_the_slot(no_leaks):
+    ring = StagingRing(CpuCopyEngine(), slot_bytes=4096, slots=1)
     slot = ring.acquire()
-    with pytest.raises(ValueError, match=r"copy of 32 bytes from a 16-byte slot"):
-        ring.launch(slot, 32, torch.zeros(32, dtype=torch.uint8))
+    slot.view[100:104] = bytes([1, 2, 3, 4])
+    destination = torch.zeros(4, dtype=torch.uint8)
+    ring.wait(ring.launch(slot, 4, destination, start=100))
+    ring.close()
+    assert destination.tolist() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("nbytes, start, message", [
+    (4097, 0, r"copy of 4097 bytes from byte 0 of a 4096-byte slot into 4097 x 1 bytes"),
+    (100, 4000, r"copy of 100 bytes from byte 4000 of a 4096-byte slot"),
+    (0, 0, r"copy of 0 bytes"),
+])
+def test_launch_checks_sizes(nbytes, start, message, no_leaks):
+    ring = StagingRing(CpuCopyEngine(), slot_bytes=4096, slots=1)
+    slot = ring.acquire()
+    with pytest.raises(ValueError, match=message):
+        ring.launch(slot, nbytes, torch.zeros(nbytes, dtype=torch.uint8), start=start)
     ring.release(slot)
+    ring.close()
+
+
+def test_a_copy_error_seen_through_wait_is_not_raised_again_by_close(no_leaks):
+    engine = DelayedCheckingEngine(seed=3, fail_at=1)
+    ring = StagingRing(engine, slot_bytes=16, slots=1)
+    handle = ring.launch(ring.acquire(), 16, torch.zeros(16, dtype=torch.uint8))
+    with pytest.raises(OSError, match="copy 1 failed"):
+        ring.wait(handle)
+    with pytest.raises(OSError, match="copy 1 failed"):
+        ring.acquire()  # the ring failed with it
     ring.close()
 
 

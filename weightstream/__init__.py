@@ -8,6 +8,7 @@ Example:
 from weightstream.api import iter_weights, load_weights, plan_load, resolve_format
 from weightstream.errors import (
     BenchmarkError,
+    DeviceMemoryError,
     DeviceUnavailableError,
     FormatError,
     HeaderError,
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BenchmarkError",
+    "DeviceMemoryError",
     "DeviceUnavailableError",
     "FormatError",
     "HeaderError",

@@ -78,5 +78,9 @@ class HostMemoryError(WeightstreamError, MemoryError):
     """Host memory for the tensors could not be allocated."""
 
 
+class DeviceMemoryError(WeightstreamError, MemoryError):
+    """The device cannot hold the tensors asked for (no partial load is left behind)."""
+
+
 class BenchmarkError(WeightstreamError, RuntimeError):
     """A benchmark run failed, or its conditions (a cold or warm page cache) could not be established."""

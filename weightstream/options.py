@@ -18,6 +18,8 @@ ProgressCallback = Callable[[int], None]
 """Called with the number of bytes that just landed (from reader threads)."""
 
 MIB = 1 << 20
+MAX_STAGING_BYTES = 4 << 30
+"""Upper bound on ``staging_slots * staging_slot_bytes``: staging is pinned memory."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +34,17 @@ class LoadOptions:
     """Where tensors land. Default ``"cpu"``: memory the caller owns."""
 
     pin_memory: bool | str = False
-    """Page-locked (pinned) CPU tensors: ``True``, ``False`` (default) or ``"auto"`` (pin when CUDA
-    is available). ``True`` on a machine without CUDA raises ``DeviceUnavailableError``."""
+    """Page-locked (pinned) CPU tensors: ``True``, ``False`` (default) or ``"auto"`` (pin when CUDA and
+    cuda-python are available; the reason is logged when not). ``True`` without them raises
+    ``DeviceUnavailableError``. For CPU destinations only."""
+
+    staging_slots: int = 8
+    """CUDA destinations: pinned staging slots in the ring. Default 8: with ``threads`` readers
+    they keep the disk and the copy engine busy at once."""
+
+    staging_slot_bytes: int = 16 * MIB
+    """CUDA destinations: bytes per staging slot (a multiple of 4096), also the largest read.
+    Default 16 MiB. ``staging_slots * staging_slot_bytes`` may not exceed 4 GiB."""
 
     threads: int | None = None
     """Reader threads. Default ``None``: twice the number of CPUs, at least 8 (a cold direct read
@@ -71,12 +82,27 @@ class LoadOptions:
             raise InvalidOptionError(f"threads must be a positive integer or None, got {self.threads!r}")
         if not _is_int(self.chunk_bytes) or self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
             raise InvalidOptionError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes!r}")
+        for name in ("staging_slots", "staging_slot_bytes"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise InvalidOptionError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.staging_slot_bytes % 4096:
+            raise InvalidOptionError(f"staging_slot_bytes must be a multiple of 4096, got {self.staging_slot_bytes}")
+        if self.staging_slots * self.staging_slot_bytes > MAX_STAGING_BYTES:
+            raise InvalidOptionError(
+                f"staging_slots x staging_slot_bytes = {self.staging_slots} x {self.staging_slot_bytes} bytes "
+                f"exceeds the {MAX_STAGING_BYTES >> 30} GiB bound on pinned staging"
+            )
         for name in ("prefault", "zero_copy"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("direct_io", "huge_pages", "pin_memory"):
             if not (isinstance(getattr(self, name), bool) or getattr(self, name) == "auto"):
                 raise InvalidOptionError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
+        on_cpu = torch.device(self.device).type == "cpu"
+        if self.pin_memory is True and not on_cpu:
+            raise InvalidOptionError(f"pin_memory=True is for CPU destinations; device {self.device!r} is not one")
+        if self.zero_copy and (not on_cpu or self.pin_memory is True):
+            raise InvalidOptionError("zero_copy returns views of a file mapping: it cannot land on a GPU or in pinned memory")
         if self.progress is not None and not callable(self.progress):
             raise OptionError(f"progress must be callable, got {type(self.progress).__name__}")
         if self.filter is not None:

@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 
 from weightstream.errors import WeightstreamError
+from weightstream.memory.host import HostArena
+from weightstream.plan import round_up_to_page
 
 
 class RingClosedError(WeightstreamError, RuntimeError):
@@ -77,13 +79,30 @@ class CpuCopy:
         self._future.result()
 
 
-class Slot:
-    """One staging buffer of the ring."""
+class CpuStaging:
+    """Staging to CPU memory with the CPU engine: the staged reader as CI runs it."""
 
-    def __init__(self, number: int, buffer: torch.Tensor) -> None:
+    pinned = False
+
+    def __init__(self, engine: Callable[[], CopyEngine] = CpuCopyEngine) -> None:
+        self._engine = engine
+
+    def engine(self) -> CopyEngine:
+        return self._engine()
+
+    def allocate(self, nbytes: int, file: str) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class Slot:
+    """One staging buffer of the ring, as a tensor (for copies) and a memoryview (for reads)."""
+
+    def __init__(self, number: int, buffer: torch.Tensor, view: memoryview) -> None:
         self.number = number
         self.buffer = buffer
-        """``slot_bytes`` of uint8 (pinned host memory for the CUDA engine)."""
+        """``slot_bytes`` of uint8, page-aligned (pinned host memory for the CUDA engine)."""
+        self.view = view
+        """The same bytes, writable, for ``preadv``."""
 
 
 class StagingRing:
@@ -95,23 +114,25 @@ class StagingRing:
         >>> slot = ring.acquire()
         >>> slot.buffer.fill_(3)[:1].tolist()
         [3]
-        >>> ring.launch(slot, 8, destination).wait()
+        >>> ring.wait(ring.launch(slot, 8, destination))
         >>> ring.close(); destination.sum().item()
         24
     """
 
-    def __init__(
-        self,
-        engine: CopyEngine,
-        slot_bytes: int,
-        slots: int,
-        allocate: Callable[[int], torch.Tensor] = lambda nbytes: torch.empty(nbytes, dtype=torch.uint8),
-    ) -> None:
+    def __init__(self, engine: CopyEngine, slot_bytes: int, slots: int, *, pinned: bool = False) -> None:
         if slots < 1 or slot_bytes < 1:
             raise ValueError(f"a ring needs at least one slot of at least one byte, got {slots} x {slot_bytes}")
         self.engine = engine
-        self.slot_bytes = slot_bytes
-        self._slots = [Slot(number, allocate(slot_bytes)) for number in range(slots)]
+        self.slot_bytes = slot_bytes = round_up_to_page(slot_bytes)
+        try:
+            self._memory = HostArena(slots * slot_bytes, huge_pages=False, pinned=pinned)
+        except BaseException:
+            engine.close()
+            raise
+        self._slots = [
+            Slot(number, self._memory.bytes[number * slot_bytes : (number + 1) * slot_bytes], self._memory.view[number * slot_bytes : (number + 1) * slot_bytes])
+            for number in range(slots)
+        ]
         self._free = collections.deque(self._slots)
         self._in_flight: collections.deque[tuple[Slot, CopyHandle]] = collections.deque()
         self._lock = threading.Condition()
@@ -133,16 +154,30 @@ class StagingRing:
             self._raise_if_failed()
             return self._free.popleft()
 
-    def launch(self, slot: Slot, nbytes: int, destination: torch.Tensor) -> CopyHandle:
-        """Copy the first ``nbytes`` of ``slot`` into ``destination``; the slot returns when done."""
-        if not 0 < nbytes <= self.slot_bytes or destination.numel() * destination.element_size() != nbytes:
-            raise ValueError(f"copy of {nbytes} bytes from a {self.slot_bytes}-byte slot into {destination.numel()} x {destination.element_size()} bytes")
+    def launch(self, slot: Slot, nbytes: int, destination: torch.Tensor, start: int = 0) -> CopyHandle:
+        """Copy ``nbytes`` of ``slot`` from ``start`` into ``destination``; the slot returns when done."""
+        if not (0 < nbytes and 0 <= start and start + nbytes <= self.slot_bytes) or destination.numel() * destination.element_size() != nbytes:
+            raise ValueError(
+                f"copy of {nbytes} bytes from byte {start} of a {self.slot_bytes}-byte slot "
+                f"into {destination.numel()} x {destination.element_size()} bytes"
+            )
         with self._lock:
             self._raise_if_failed()
-            handle = self.engine.launch(slot.buffer[:nbytes], destination)
+            handle = self.engine.launch(slot.buffer[start : start + nbytes], destination)
             self._in_flight.append((slot, handle))
             self._lock.notify_all()
         return handle
+
+    def wait(self, handle: CopyHandle) -> None:
+        """Wait for one launched copy; its failure is the ring's failure, raised here (and not again by ``close``)."""
+        try:
+            handle.wait()
+        except BaseException as error:
+            with self._lock:
+                if self._error is None:
+                    self._error = error
+                self._error_seen = True
+            raise
 
     def release(self, slot: Slot) -> None:
         """Give back a slot that will not be launched (a reader stopping early)."""

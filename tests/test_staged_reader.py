@@ -1,0 +1,106 @@
+"""The staged reader (reads land in ring slots, a copy engine moves them to the destination),
+run with the CPU engine: what the CUDA path does, minus the device."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import weightstream
+from tests.conformance.test_round_trip import every_dtype
+from tests.conftest import assert_same, save_hf_sharded
+from tests.engines import DelayedCheckingEngine
+from weightstream.bench.demo import LlamaShape, llama_state_dict
+from weightstream.memory.ring import CpuStaging
+from weightstream.sources import store_for
+from weightstream.staged_reader import read_staged
+
+SMALL_RING = {"staging_slots": 2, "staging_slot_bytes": 8192, "chunk_bytes": 8192}
+
+
+def staged_load(uri, staging=None, **options) -> dict[str, torch.Tensor]:
+    return dict(staged_iter(uri, staging, **options))
+
+
+def staged_iter(uri, staging=None, **options):
+    loader, plan, opts = weightstream.plan_load(uri, **options)
+    return read_staged(store_for(plan.uri), plan, opts, staging or CpuStaging())
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_every_dtype_through_a_small_ring(tmp_path: Path, direct_io, no_leaks):
+    state = every_dtype()
+    uri = save_hf_sharded(state, tmp_path / "ckpt", shards=3)
+    assert_same(staged_load(uri, direct_io=direct_io, **SMALL_RING), state)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_delays_every_byte_lands_and_no_slot_is_reused_early(tmp_path: Path, seed, no_leaks):
+    state = llama_state_dict(LlamaShape(hidden=128, intermediate=352, layers=4, vocab=500), seed=seed)
+    uri = save_hf_sharded(state, tmp_path / "ckpt", shards=2)
+    engines: list[DelayedCheckingEngine] = []
+
+    def engine() -> DelayedCheckingEngine:
+        engines.append(DelayedCheckingEngine(seed))
+        return engines[-1]
+
+    loaded = {}
+    for name, tensor in staged_iter(uri, CpuStaging(engine), threads=6, direct_io=seed % 2 == 0, **SMALL_RING):
+        assert torch.equal(tensor, state[name]), f"{name} was yielded before all its copies had finished"
+        loaded[name] = tensor
+    assert_same(loaded, state)
+    assert engines[0].violations == []
+    assert engines[0].launched > 100, "the checkpoint must pass through the ring many times over"
+
+
+def test_tensors_larger_than_a_slot_and_a_filter(tmp_path: Path, no_leaks):
+    state = {"big": torch.randn(70_000), "small": torch.arange(5), "skipped": torch.ones(40_000)}
+    uri = save_hf_sharded(state, tmp_path / "ckpt", shards=1)
+    loaded = staged_load(uri, filter=["big", "small"], **SMALL_RING)
+    assert_same(loaded, {"big": state["big"], "small": state["small"]})
+
+
+def test_a_failed_copy_stops_the_load_and_surfaces_once(tmp_path: Path, no_leaks):
+    state = llama_state_dict(LlamaShape(hidden=128, intermediate=352, layers=4, vocab=500))
+    uri = save_hf_sharded(state, tmp_path / "ckpt", shards=2)
+    engine = CpuStaging(lambda: DelayedCheckingEngine(seed=5, fail_at=7))
+    stream = staged_iter(uri, engine, threads=4, **SMALL_RING)
+    with pytest.raises(OSError, match=r"copy 7 failed") as raised:
+        for _ in stream:
+            pass
+    assert raised.value.__context__ is None, "the copy error was raised twice (once more by the ring's close)"
+
+
+def test_file_truncated_during_a_staged_load(tmp_path: Path, no_leaks):
+    state = llama_state_dict(LlamaShape(hidden=256, intermediate=704, layers=4, vocab=2000))
+    uri = save_hf_sharded(state, tmp_path / "ckpt", shards=2)
+    truncated = threading.Event()
+
+    def truncate_after_first_read(nbytes: int) -> None:
+        if not truncated.is_set():
+            truncated.set()
+            for path in Path(uri).glob("*.safetensors"):
+                os.truncate(path, 4096)
+
+    with pytest.raises(weightstream.TruncatedFileError, match=r"file ends at byte \d+, expected bytes up to \d+"):
+        staged_load(uri, progress=truncate_after_first_read, **SMALL_RING)
+
+
+def test_consumer_abandoning_the_iterator_leaks_nothing(tmp_path: Path, no_leaks):
+    state = llama_state_dict(LlamaShape(hidden=256, intermediate=704, layers=4, vocab=2000))
+    uri = save_hf_sharded(state, tmp_path / "ckpt", shards=2)
+    stream = staged_iter(uri, threads=4, **SMALL_RING)
+    name, tensor = next(stream)
+    assert torch.equal(tensor, state[name])
+    stream.close()
+
+
+def test_one_slot_many_readers(tmp_path: Path, no_leaks):
+    state = llama_state_dict(LlamaShape(hidden=128, intermediate=352, layers=2, vocab=500))
+    uri = save_hf_sharded(state, tmp_path / "ckpt", shards=1)
+    loaded = staged_load(uri, threads=16, staging_slots=1, staging_slot_bytes=4096, chunk_bytes=4096)
+    assert_same(loaded, state)

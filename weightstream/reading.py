@@ -1,0 +1,72 @@
+"""What the host and the staged readers share: opening checked sources, reading one request,
+tracking which tensors wait for which reads, and letting go of failed readers' memory."""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+
+from weightstream.options import LoadOptions
+from weightstream.plan import PAGE, FileLayout, ReadRequest, round_up_to_page
+from weightstream.sources.base import Source, Store, check_unchanged
+
+THREAD_NAME_PREFIX = "weightstream-read"
+
+
+@contextlib.contextmanager
+def open_checked(store: Store, path: str, planned_size: int, opts: LoadOptions) -> Iterator[Source]:
+    """Open ``path`` for this load's reads, checking it still has the size the plan was made from."""
+    source = store.open(path, direct=opts.direct_io)
+    try:
+        check_unchanged(path, planned_size, source.size)
+        yield source
+    finally:
+        source.close()
+
+
+def read_request(source: Source, request: ReadRequest, view: memoryview, at: int) -> None:
+    """Read ``request`` so that its first byte lands at ``view[at]``.
+
+    Direct reads are widened to whole pages, so ``view`` must have room for the request's
+    offset within its page before ``at`` (the layout and the staging slots keep it free).
+    """
+    if source.direct:
+        head = request.offset % PAGE
+        start = at - head
+        source.read_into(request.offset - head, view[start : start + round_up_to_page(head + request.nbytes)])
+    else:
+        source.read_into(request.offset, view[at : at + request.nbytes])
+
+
+def forget_failures(futures: Iterable[Future]) -> None:
+    """Drop the locals of failed readers' frames: they hold views of the load's memory, and the
+    memory of a failed load must not live as long as the caller keeps the exception."""
+    for future in futures:
+        if future.done() and not future.cancelled() and future.exception() is not None:
+            traceback.clear_frames(future.exception().__traceback__)
+
+
+class Waiting:
+    """Which tensors of one file still wait for which reads."""
+
+    def __init__(self, layout: FileLayout) -> None:
+        self._remaining = [len(needed) for needed in layout.tensor_requests]
+        self._waiters: list[list[int]] = [[] for _ in layout.requests]
+        for tensor_number, needed in enumerate(layout.tensor_requests):
+            for request_number in needed:
+                self._waiters[request_number].append(tensor_number)
+
+    def ready_without_reads(self) -> list[int]:
+        """Tensors with no bytes to read (empty ones)."""
+        return [number for number, count in enumerate(self._remaining) if count == 0]
+
+    def request_done(self, request_number: int) -> list[int]:
+        """Tensors whose last outstanding read was ``request_number``."""
+        ready = []
+        for tensor_number in self._waiters[request_number]:
+            self._remaining[tensor_number] -= 1
+            if self._remaining[tensor_number] == 0:
+                ready.append(tensor_number)
+        return ready

@@ -1,0 +1,110 @@
+"""The staged reader: reads land in a ring of staging slots, and a copy engine moves each slot
+to its place in the destination while the readers fill the next ones.
+
+This is how bytes reach a GPU: pinned slots, ``cudaMemcpyAsync`` on a dedicated stream,
+events to recycle slots (``weightstream.memory.cuda``). With the CPU engine the same code
+runs in CI. Destination memory is allocated up front, one buffer per file; tensors are views
+of it, yielded once every copy they need has completed. Cleanup follows the host reader:
+the first failure stops the readers, in-flight copies finish, and nothing outlives the
+generator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Protocol
+
+import torch
+
+from weightstream.memory.host import view_as
+from weightstream.memory.ring import CopyEngine, CopyHandle, StagingRing
+from weightstream.options import LoadOptions
+from weightstream.plan import PAGE, FileLayout, LoadPlan, ReadRequest, layout_file
+from weightstream.reading import THREAD_NAME_PREFIX, Waiting, forget_failures, open_checked, read_request
+from weightstream.sources.base import Source, Store
+
+
+class Staging(Protocol):
+    """A destination reached through staging slots: where the bytes end and what copies them."""
+
+    pinned: bool
+    """Whether the staging slots must be page-locked (the CUDA engine's DMA needs it)."""
+
+    def engine(self) -> CopyEngine:
+        """A fresh copy engine for one load."""
+
+    def allocate(self, nbytes: int, file: str) -> torch.Tensor:
+        """``nbytes`` of uint8 destination memory for ``file``'s tensors."""
+
+
+def read_staged(store: Store, plan: LoadPlan, opts: LoadOptions, staging: Staging) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of ``plan`` in ``staging``'s memory, in completion order.
+
+    Example:
+        >>> for name, tensor in read_staged(LocalStore(), plan, opts, CudaStaging("cuda:0")):  # doctest: +SKIP
+        ...     model[name].copy_(tensor)
+    """
+    chunk_bytes = min(opts.chunk_bytes, opts.staging_slot_bytes)
+    layouts = [layout_file(plan.tensors_of(spec.path), chunk_bytes) for spec in plan.files]
+    layouts = [layout for layout in layouts if layout.tensor_offsets]
+    sizes = {spec.path: spec.size for spec in plan.files}
+    with contextlib.ExitStack() as cleanup:
+        sources = [cleanup.enter_context(open_checked(store, layout.file, sizes[layout.file], opts)) for layout in layouts]
+        destinations = [staging.allocate(layout.buffer_bytes, layout.file) for layout in layouts]
+        cleanup.callback(destinations.clear)
+        futures: dict[Future, tuple[int, int]] = {}
+        cleanup.callback(forget_failures, futures)
+        # A direct read widens a request by up to one page: each slot has that page spare.
+        ring = StagingRing(staging.engine(), opts.staging_slot_bytes + PAGE, opts.staging_slots, pinned=staging.pinned)
+        cleanup.callback(ring.close)
+        stop = threading.Event()
+        readers = ThreadPoolExecutor(max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX)
+        cleanup.callback(readers.shutdown, wait=True, cancel_futures=True)
+        cleanup.callback(stop.set)
+        for file_number, (layout, source) in enumerate(zip(layouts, sources, strict=True)):
+            for request_number, request in enumerate(layout.requests):
+                task = readers.submit(_stage, source, request, destinations[file_number], ring, stop, opts)
+                futures[task] = (file_number, request_number)
+        waiting = [Waiting(layout) for layout in layouts]
+        for file_number, tensors in enumerate(waiting):
+            for tensor_number in tensors.ready_without_reads():
+                yield _tensor(layouts[file_number], destinations[file_number], tensor_number)
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                ring.wait(future.result())
+                file_number, request_number = futures.pop(future)
+                for tensor_number in waiting[file_number].request_done(request_number):
+                    yield _tensor(layouts[file_number], destinations[file_number], tensor_number)
+
+
+def _stage(
+    source: Source, request: ReadRequest, destination: torch.Tensor, ring: StagingRing, stop: threading.Event, opts: LoadOptions
+) -> CopyHandle | None:
+    """Read ``request`` into a free slot and launch its copy; the slot goes back to the ring either way."""
+    if stop.is_set():
+        return None
+    slot = ring.acquire()
+    launched = False
+    try:
+        if stop.is_set():
+            return None
+        at = request.offset % PAGE if source.direct else 0
+        read_request(source, request, slot.view, at)
+        if opts.progress is not None:
+            opts.progress(request.nbytes)
+        handle = ring.launch(slot, request.nbytes, destination[request.dest_offset : request.dest_offset + request.nbytes], start=at)
+        launched = True
+        return handle
+    finally:
+        if not launched:
+            ring.release(slot)
+
+
+def _tensor(layout: FileLayout, destination: torch.Tensor, tensor_number: int) -> tuple[str, torch.Tensor]:
+    spec, offset = layout.tensor_offsets[tensor_number]
+    return spec.name, view_as(destination, offset, spec)
