@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import importlib.util
 import json
 import os
 import struct
@@ -45,13 +47,49 @@ def raw_file(path: Path, header: object, data: bytes = b"", *, length: int | Non
     return path
 
 
-def assert_same(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    """Where a test asks tensors to land, and what it then checks of them."""
+
+    name: str
+    options: dict
+    device_type: str = "cpu"
+    pinned: bool = False
+
+
+CPU = Destination("cpu", {})
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+_NO_PINNING = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None, reason="needs CUDA and cuda-python"
+)
+DESTINATIONS = [
+    pytest.param(CPU, id="cpu"),
+    pytest.param(Destination("pinned", {"pin_memory": True}, pinned=True), id="pinned", marks=[pytest.mark.cuda, _NO_PINNING]),
+    pytest.param(Destination("cuda", {"device": "cuda"}, "cuda"), id="cuda", marks=[pytest.mark.cuda, _NO_CUDA]),
+    pytest.param(
+        Destination("cuda-small-ring", {"device": "cuda:0", "staging_slots": 2, "staging_slot_bytes": 8192}, "cuda"),
+        id="cuda-small-ring",
+        marks=[pytest.mark.cuda, _NO_CUDA],
+    ),
+]
+"""Every destination the loaders offer; GPU ones skip themselves without CUDA and run the same checks with it."""
+
+
+@pytest.fixture(params=DESTINATIONS)
+def destination(request) -> Destination:
+    return request.param
+
+
+def assert_same(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], on: Destination = CPU) -> None:
     assert list(sorted(loaded)) == list(sorted(expected))
     for name, tensor in expected.items():
         got = loaded[name]
         assert got.dtype == tensor.dtype, name
         assert got.shape == tensor.shape, name
-        assert got.device.type == "cpu", name
+        assert got.device.type == on.device_type, name
+        if on.pinned and tensor.numel():
+            assert got.is_pinned(), f"{name} is not in pinned memory"
+        got = got.cpu()
         if tensor.numel():
             assert bytes(got.contiguous().view(-1).view(torch.uint8).numpy()) == bytes(
                 tensor.contiguous().view(-1).view(torch.uint8).numpy()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 import weightstream
 from tests.conformance.test_round_trip import CASES
@@ -66,3 +68,36 @@ def test_memory_released_after_success(big_checkpoint, no_leaks):
     del loaded
     assert psutil.Process().memory_info().rss - baseline < 32 * MIB
 
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_file_truncated_during_a_gpu_load_frees_device_memory(big_checkpoint, no_leaks):
+    name, uri = big_checkpoint
+    victims = files_of(uri)
+    truncated = threading.Event()
+
+    def truncate_after_first_read(nbytes: int) -> None:
+        if not truncated.is_set():
+            truncated.set()
+            for path in victims:
+                os.truncate(path, 4096)
+
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    with pytest.raises(weightstream.TruncatedFileError, match=r"file ends at byte \d+, expected bytes up to \d+"):
+        weightstream.load_weights(uri, format=name, device="cuda", chunk_bytes=MIB, progress=truncate_after_first_read)
+    assert torch.cuda.memory_allocated() == baseline, "device buffers of a failed load were not released"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_load_larger_than_the_device_is_a_typed_error(tmp_path: Path, no_leaks):
+    free, _ = torch.cuda.mem_get_info()
+    path = tmp_path / "huge.safetensors"
+    header = json.dumps({"w": {"dtype": "U8", "shape": [free + (1 << 30)], "data_offsets": [0, free + (1 << 30)]}}).encode()
+    with open(path, "wb") as file:
+        file.write(len(header).to_bytes(8, "little") + header)
+        file.truncate(8 + len(header) + free + (1 << 30))  # sparse: no disk used
+    with pytest.raises(weightstream.DeviceMemoryError, match=r"huge.safetensors: cannot allocate \d+ bytes on cuda:\d+ for its tensors"):
+        weightstream.load_weights(path, device="cuda")

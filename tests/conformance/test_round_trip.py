@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import weightstream
-from tests.conftest import assert_same
+from tests.conftest import CPU, assert_same
 from tests.conformance.writers import WRITERS
 from weightstream.formats.safetensors import DTYPES
 
@@ -40,11 +40,11 @@ def every_dtype() -> dict[str, torch.Tensor]:
     return state
 
 
-def test_every_dtype_scalars_and_empty_tensors(layout, tmp_path: Path, no_leaks):
+def test_every_dtype_scalars_and_empty_tensors(layout, destination, tmp_path: Path, no_leaks):
     name, writer = layout
     state = every_dtype()
     uri = writer(state, tmp_path / "ckpt")
-    assert_same(weightstream.load_weights(uri, format=name), state)
+    assert_same(weightstream.load_weights(uri, format=name, **destination.options), state, destination)
 
 
 def test_header_order_differs_from_offset_order(layout, tmp_path: Path, tiny_state, no_leaks):
@@ -73,22 +73,28 @@ IO_IDS = ["buffered-4k", "direct", "auto", "zero-copy"]
 
 
 @pytest.mark.parametrize("io", IO_MODES, ids=IO_IDS)
-def test_llama_checkpoint(layout, io, tmp_path: Path, tiny_state, no_leaks):
+def test_llama_checkpoint(layout, io, destination, tmp_path: Path, tiny_state, no_leaks):
     name, writer = layout
+    if io.get("zero_copy") and destination is not CPU:
+        pytest.skip("zero_copy lands only in pageable CPU memory (refusal tested in test_options)")
     uri = writer(tiny_state, tmp_path / "ckpt")
-    assert_same(weightstream.load_weights(uri, format=name, **io), tiny_state)
-    assert_same(dict(weightstream.iter_weights(uri, format=name, chunk_bytes=4096, threads=3, **io)), tiny_state)
+    options = {**io, **destination.options}
+    assert_same(weightstream.load_weights(uri, format=name, **options), tiny_state, destination)
+    assert_same(dict(weightstream.iter_weights(uri, format=name, **{"chunk_bytes": 4096, "threads": 3, **options})), tiny_state, destination)
 
 
 @pytest.mark.parametrize("io", IO_MODES, ids=IO_IDS)
-def test_filter_by_names_and_predicate(layout, io, tmp_path: Path, tiny_state, no_leaks):
+def test_filter_by_names_and_predicate(layout, io, destination, tmp_path: Path, tiny_state, no_leaks):
     """Runs of wanted bytes separated by unwanted ones: direct reads widen to pages and must not clobber."""
     name, writer = layout
+    if io.get("zero_copy") and destination is not CPU:
+        pytest.skip("zero_copy lands only in pageable CPU memory (refusal tested in test_options)")
     uri = writer(tiny_state, tmp_path / "ckpt")
+    options = {**io, **destination.options}
     wanted = ["model.layers.1.mlp.up_proj.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight"]
-    assert_same(weightstream.load_weights(uri, format=name, filter=wanted, **io), {n: tiny_state[n] for n in wanted})
+    assert_same(weightstream.load_weights(uri, format=name, filter=wanted, **options), {n: tiny_state[n] for n in wanted}, destination)
     layer_two = {n: t for n, t in tiny_state.items() if ".layers.2." in n}
-    assert_same(weightstream.load_weights(uri, format=name, filter=lambda n: ".layers.2." in n, **io), layer_two)
+    assert_same(weightstream.load_weights(uri, format=name, filter=lambda n: ".layers.2." in n, **options), layer_two, destination)
 
 
 @pytest.mark.parametrize("io", [{"direct_io": True, "chunk_bytes": 4096}, {"zero_copy": True}], ids=["direct", "zero-copy"])
@@ -152,12 +158,12 @@ def test_tensors_are_owned_memory(layout, tmp_path: Path, tiny_state, no_leaks):
     next(iter(loaded.values())).add_(1)  # writable
 
 
-def test_abandoned_iterator_leaks_nothing(layout, tmp_path: Path, tiny_state, no_leaks):
+def test_abandoned_iterator_leaks_nothing(layout, destination, tmp_path: Path, tiny_state, no_leaks):
     name, writer = layout
     uri = writer(tiny_state, tmp_path / "ckpt")
-    stream = weightstream.iter_weights(uri, format=name, chunk_bytes=4096)
+    stream = weightstream.iter_weights(uri, format=name, **{"chunk_bytes": 4096, **destination.options})
     first_name, first = next(stream)
-    assert torch.equal(first.view(torch.uint8), tiny_state[first_name].view(torch.uint8))
+    assert torch.equal(first.cpu().view(torch.uint8), tiny_state[first_name].view(torch.uint8))
     stream.close()
 
 
