@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import save_hf_sharded
 from weightstream.cli import parse_size
@@ -84,6 +85,31 @@ def test_bench_unknown_method(checkpoint: Path):
     result = cli("bench", str(checkpoint), "--methods", "nope")
     assert result.returncode == 1
     assert "unknown method or cache ['nope']" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without CUDA")
+def test_cuda_refused_without_cuda_before_any_work(checkpoint: Path, tmp_path: Path):
+    bench = cli("bench", "--device", "cuda", "--cache-dir", str(tmp_path / "cache"))
+    assert bench.returncode == 1
+    assert bench.stderr.startswith("weightstream: error: bench --device cuda: torch sees no CUDA device on this machine")
+    assert not (tmp_path / "cache").exists(), "the demo checkpoint was built before the device was checked"
+    load = cli("load", str(checkpoint), "--device", "cuda")
+    assert load.returncode == 1 and "sees no CUDA device; nothing falls back to the CPU" in load.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_load_and_bench_on_the_gpu(checkpoint: Path, tiny_state, tmp_path: Path):
+    load = cli("load", str(checkpoint), "--json", "--device", "cuda")
+    assert load.returncode == 0, load.stderr
+    assert json.loads(load.stdout)["tensors"] == len(tiny_state)
+    bench = cli("bench", str(checkpoint), "--device", "cuda", "--rounds", "1", "--cache", "warm",
+                "--methods", "weightstream,safetensors.load_file,limit-h2d-pinned", "--json")
+    assert bench.returncode == 0, bench.stderr
+    report = json.loads(bench.stdout)
+    assert report["device"] == "cuda"
+    ours = next(r for r in report["results"] if r["method"] == "weightstream")
+    assert ours["gbps_median"] > 0 and ours["peak_device_bytes_median"] > 0 and ours["peak_pinned_bytes_median"] > 0
 
 
 @pytest.mark.parametrize("text, expected", [("1GiB", 2**30), ("512MiB", 2**29), ("4G", 4 * 10**9), ("100", 100), ("1.5k", 1500)])

@@ -1,8 +1,8 @@
 """The ``weightstream`` command: a thin shell over the Python API.
 
     weightstream inspect URI [--json]
-    weightstream load URI [--json] [--threads N] [--chunk-mib M] [--filter NAME ...]
-    weightstream bench [URI] [--size 1GiB] [--rounds 3] [--json] [--plot bench.png]
+    weightstream load URI [--json] [--device cuda] [--pin-memory] [--threads N] [--chunk-mib M] [--filter NAME ...]
+    weightstream bench [URI] [--device cuda] [--size 1GiB] [--rounds 3] [--json] [--plot bench.png]
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from weightstream.api import plan_load
 from weightstream.bench.demo import GIB, demo_checkpoint
-from weightstream.bench.methods import METHODS
-from weightstream.bench.runner import CACHES, format_table, plot, run_bench
+from weightstream.bench.methods import METHODS_BY_DEVICE
+from weightstream.bench.runner import CACHES, check_device, format_table, plot, run_bench
 from weightstream.errors import WeightstreamError
 from weightstream.formats.safetensors import DTYPE_NAMES
 from weightstream.progress import ProgressBar
@@ -73,7 +73,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> int:
-    options = {"threads": args.threads, "huge_pages": not args.no_huge_pages}
+    options = {"threads": args.threads, "device": args.device, "pin_memory": args.pin_memory}
+    if args.no_huge_pages:
+        options["huge_pages"] = False
     if args.chunk_mib is not None:
         options["chunk_bytes"] = args.chunk_mib << 20
     if args.filter:
@@ -89,7 +91,7 @@ def _load(args: argparse.Namespace) -> int:
             first = first if first is not None else time.perf_counter() - start
             count, nbytes = count + 1, nbytes + tensor.numel() * tensor.element_size()
     seconds = time.perf_counter() - start
-    result = {"uri": args.uri, "format": loader.name, "tensors": count, "bytes": nbytes, "seconds": seconds,
+    result = {"uri": args.uri, "format": loader.name, "device": opts.device, "tensors": count, "bytes": nbytes, "seconds": seconds,
               "gbps": nbytes / seconds / 1e9, "first_tensor_seconds": first}
     if args.json:
         print(json.dumps(result))
@@ -100,13 +102,14 @@ def _load(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    check_device(args.device)
     uri = args.uri
     if uri is None:
         print(f"building (or reusing) a demo Llama checkpoint of about {args.size / 2**30:.2f} GiB ...", file=sys.stderr)
         uri = demo_checkpoint(args.size, shards=args.shards, cache_dir=args.cache_dir)
-    methods = args.methods.split(",") if args.methods else list(METHODS)
+    methods = args.methods.split(",") if args.methods else None
     caches = args.cache.split(",")
-    report = run_bench(uri, methods=methods, caches=caches, rounds=args.rounds,
+    report = run_bench(uri, methods=methods, caches=caches, rounds=args.rounds, device=args.device,
                        on_run=None if args.json else lambda line: print(line, file=sys.stderr))
     if args.plot:
         plot(report.to_json(), args.plot)
@@ -131,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("--chunk-mib", type=int, default=None, help="largest read request in MiB (default 8)")
     load.add_argument("--no-huge-pages", action="store_true", help="do not ask for transparent huge pages")
     load.add_argument("--filter", nargs="+", metavar="NAME", help="load only these tensors")
+    load.add_argument("--device", default="cpu", help="where tensors land: cpu (default), cuda, cuda:N")
+    load.add_argument("--pin-memory", action="store_true", help="pinned CPU tensors (needs CUDA and cuda-python)")
     load.add_argument("--json", action="store_true")
     load.set_defaults(run=_load)
 
@@ -140,7 +145,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--shards", type=int, default=2, help="demo checkpoint shards (default 2)")
     bench.add_argument("--cache-dir", default=None, help="where demo checkpoints live (default ~/.cache/weightstream)")
     bench.add_argument("--rounds", type=int, default=3)
-    bench.add_argument("--methods", default=None, help=f"comma-separated, from: {', '.join(METHODS)}")
+    bench.add_argument("--device", choices=list(METHODS_BY_DEVICE), default="cpu", help="where tensors land (default cpu)")
+    bench.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated; cpu: " + ", ".join(METHODS_BY_DEVICE["cpu"]) + "; cuda: " + ", ".join(METHODS_BY_DEVICE["cuda"]),
+    )
     bench.add_argument("--cache", default=",".join(CACHES), help="page-cache states: cold,warm")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", metavar="PNG", default=None, help="also write a bar chart")

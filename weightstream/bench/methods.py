@@ -95,6 +95,72 @@ def limit_read_reused(uri: str, files: list[str]) -> Iterator[tuple[str, torch.T
     yield from ()
 
 
+def safetensors_load_file_cuda(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """safetensors.torch.load_file(device="cuda"): each tensor copied from the file mapping."""
+    from safetensors.torch import load_file
+
+    for path in files:
+        yield from load_file(path, device="cuda:0").items()
+
+
+def runai_model_streamer_cuda(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """runai-model-streamer to the GPU, default settings."""
+    from runai_model_streamer import SafetensorsStreamer
+
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_files(files, device="cuda:0")
+        yield from streamer.get_tensors()
+
+
+def fastsafetensors_cuda(nogds: bool) -> Method:
+    """fastsafetensors to the GPU, with or without GPUDirect Storage, default settings otherwise."""
+
+    def load(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        from fastsafetensors import fastsafe_open
+
+        with fastsafe_open(files, device="cuda:0", nogds=nogds) as opened:
+            for name in opened.keys():
+                yield name, opened.get_tensor(name)
+
+    return load
+
+
+def instanttensor_cuda(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """InstantTensor's safe_open over all files at once (its recommended use), default settings."""
+    from instanttensor import safe_open
+
+    with safe_open(files, framework="pt", device=0) as opened:
+        yield from opened.tensors()
+
+
+def limit_h2d_pinned(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The machine: copy as many bytes as the files hold from one pinned 256 MiB buffer into fresh
+    device memory (the pinned host-to-device rate, no storage involved)."""
+    total = sum(os.path.getsize(path) for path in files)
+    staging = torch.empty(H2D_BLOCK, dtype=torch.uint8, pin_memory=True)
+    destination = torch.empty(total, dtype=torch.uint8, device="cuda:0")
+    for start in range(0, total, H2D_BLOCK):
+        end = min(start + H2D_BLOCK, total)
+        destination[start:end].copy_(staging[: end - start], non_blocking=True)
+    torch.cuda.synchronize()
+    yield "h2d", destination
+
+
+H2D_BLOCK = 256 << 20
+
+CUDA_METHODS: dict[str, tuple[Method, str | None]] = {
+    "weightstream": (weightstream_with(device="cuda:0"), None),
+    "weightstream-small-ring": (weightstream_with(device="cuda:0", staging_slots=4, staging_slot_bytes=4 << 20), None),
+    "safetensors.load_file": (safetensors_load_file_cuda, "safetensors"),
+    "runai-model-streamer": (runai_model_streamer_cuda, "runai_model_streamer"),
+    "fastsafetensors-nogds": (fastsafetensors_cuda(nogds=True), "fastsafetensors"),
+    "fastsafetensors-gds": (fastsafetensors_cuda(nogds=False), "fastsafetensors"),
+    "instanttensor": (instanttensor_cuda, "instanttensor"),
+    "limit-h2d-pinned": (limit_h2d_pinned, None),
+    "limit-read-reused": (limit_read_reused, None),
+}
+"""``bench --device cuda``: name -> (generator landing tensors on cuda:0, the module it needs)."""
+
 METHODS: dict[str, tuple[Method, str | None]] = {
     "weightstream": (weightstream_with(), None),
     # What each default is worth: transparent huge pages, direct reads when cold, owned memory.
@@ -112,7 +178,10 @@ METHODS: dict[str, tuple[Method, str | None]] = {
 """Name -> (generator, the module it needs)."""
 
 
-def missing_module(method: str) -> str | None:
+METHODS_BY_DEVICE = {"cpu": METHODS, "cuda": CUDA_METHODS}
+
+
+def missing_module(method: str, device: str = "cpu") -> str | None:
     """The module ``method`` needs that is not installed, if any."""
-    module = METHODS[method][1]
+    module = METHODS_BY_DEVICE[device][method][1]
     return module if module is not None and importlib.util.find_spec(module) is None else None

@@ -16,8 +16,9 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
-from weightstream.bench.methods import METHODS, missing_module
-from weightstream.errors import BenchmarkError, InvalidOptionError
+from weightstream.bench.methods import METHODS_BY_DEVICE, missing_module
+from weightstream.errors import BenchmarkError, DeviceUnavailableError, InvalidOptionError
+from weightstream.memory.devices import cuda_available
 from weightstream.formats.checkpoint import find_files
 from weightstream.sources import pagecache, store_for
 
@@ -33,6 +34,7 @@ class Row:
 
     method: str
     cache: str
+    device: str = "cpu"
     runs: list[dict] = dataclasses.field(default_factory=list)
     skipped: str | None = None
 
@@ -44,6 +46,11 @@ class Row:
         if self.skipped or not self.runs:
             return {"method": self.method, "cache": self.cache, "skipped": self.skipped or "no runs"}
         firsts = [run["first_tensor_seconds"] for run in self.runs if run["first_tensor_seconds"] is not None]
+        device_peaks = {
+            f"{key}_median": statistics.median(run[key] for run in self.runs)
+            for key in ("peak_device_bytes", "peak_pinned_bytes")
+            if all(key in run for run in self.runs)
+        }
         return {
             "method": self.method,
             "cache": self.cache,
@@ -53,6 +60,7 @@ class Row:
             "seconds_median": statistics.median(run["seconds"] for run in self.runs),
             "first_tensor_seconds_median": statistics.median(firsts) if firsts else None,
             "peak_rss_above_baseline_median": statistics.median(run["peak_rss"] - run["baseline_rss"] for run in self.runs),
+            **device_peaks,
             "runs": len(self.runs),
         }
 
@@ -65,10 +73,12 @@ class BenchReport:
     rounds: int
     rows: list[Row]
     machine: dict
+    device: str = "cpu"
 
     def to_json(self) -> dict:
         return {
             "uri": self.uri,
+            "device": self.device,
             "files": self.files,
             "total_bytes": self.total_bytes,
             "rounds": self.rounds,
@@ -80,23 +90,29 @@ class BenchReport:
 
 def run_bench(
     uri: str,
-    methods: Sequence[str] = tuple(METHODS),
+    methods: Sequence[str] | None = None,
     caches: Sequence[str] = CACHES,
     rounds: int = 3,
     on_run: Callable[[str], None] | None = None,
+    device: str = "cpu",
 ) -> BenchReport:
-    """Measure ``methods`` on the checkpoint at ``uri``: ``rounds`` interleaved rounds per page-cache state.
+    """Measure ``methods`` (default: all for ``device``) on the checkpoint at ``uri``: ``rounds``
+    interleaved rounds per page-cache state, tensors landing on ``device`` ("cpu" or "cuda").
 
     Raises:
-        InvalidOptionError: an unknown method or cache state, or ``rounds`` < 1.
+        InvalidOptionError: an unknown device, method or cache state, or ``rounds`` < 1.
+        DeviceUnavailableError: ``device="cuda"`` on a machine without CUDA.
     """
-    unknown = [m for m in methods if m not in METHODS] + [c for c in caches if c not in CACHES]
+    check_device(device)
+    known = METHODS_BY_DEVICE[device]
+    methods = list(known) if methods is None else list(methods)
+    unknown = [m for m in methods if m not in known] + [c for c in caches if c not in CACHES]
     if unknown:
-        raise InvalidOptionError(f"unknown method or cache {unknown}; methods: {', '.join(METHODS)}; caches: {', '.join(CACHES)}")
+        raise InvalidOptionError(f"unknown method or cache {unknown}; {device} methods: {', '.join(known)}; caches: {', '.join(CACHES)}")
     if rounds < 1:
         raise InvalidOptionError(f"rounds must be at least 1, got {rounds}")
     files = list(find_files(store_for(uri), uri).files)
-    rows = {(m, c): Row(m, c, skipped=_why_skipped(m)) for c in caches for m in methods}
+    rows = {(m, c): Row(m, c, device, skipped=_why_skipped(m, device)) for c in caches for m in methods}
     for round_number in range(rounds):
         for cache in caches:
             for method in methods:
@@ -104,11 +120,23 @@ def run_bench(
                 if row.skipped:
                     continue
                 _prepare(files, cache)
-                row.runs.append(_run_worker(method, uri, files))
+                row.runs.append(_run_worker(device, method, uri, files))
                 if on_run is not None:
                     run = row.runs[-1]
                     on_run(f"round {round_number + 1}/{rounds} {cache:4s} {method:24s} {run['bytes'] / run['seconds'] / 1e9:6.2f} GB/s")
-    return BenchReport(uri, files, sum(os.path.getsize(f) for f in files), rounds, list(rows.values()), _machine())
+    return BenchReport(uri, files, sum(os.path.getsize(f) for f in files), rounds, list(rows.values()), _machine(device), device)
+
+
+def check_device(device: str) -> None:
+    """Raise unless the benchmark can land tensors on ``device`` here.
+
+    Example:
+        >>> check_device("cpu")
+    """
+    if device not in METHODS_BY_DEVICE:
+        raise InvalidOptionError(f"unknown benchmark device {device!r}; devices: {', '.join(METHODS_BY_DEVICE)}")
+    if device == "cuda" and not cuda_available():
+        raise DeviceUnavailableError("bench --device cuda: torch sees no CUDA device on this machine")
 
 
 def ratios(report: BenchReport) -> dict[str, dict[str, float]]:
@@ -124,10 +152,13 @@ def ratios(report: BenchReport) -> dict[str, dict[str, float]]:
 
 def format_table(report: BenchReport) -> str:
     """A plain-text table of the report, with weightstream's ratio to each method."""
+    on_gpu = report.device == "cuda"
     lines = [
-        f"checkpoint: {report.uri} ({report.total_bytes / 2**30:.2f} GiB in {len(report.files)} files), "
+        f"checkpoint: {report.uri} ({report.total_bytes / 2**30:.2f} GiB in {len(report.files)} files) to {report.device}, "
         f"{report.rounds} interleaved rounds, each run a fresh process; medians (min-max)",
-        f"{'cache':5s} {'method':24s} {'GB/s':>22s} {'first tensor':>13s} {'peak RSS +':>11s} {'ws ratio':>9s}",
+        f"{'cache':5s} {'method':24s} {'GB/s':>22s} {'first tensor':>13s} {'peak RSS +':>11s} "
+        + (f"{'GPU +':>9s} {'pinned':>9s} " if on_gpu else "")
+        + f"{'ws ratio':>9s}",
     ]
     table_ratios = ratios(report)
     for row in report.rows:
@@ -141,7 +172,12 @@ def format_table(report: BenchReport) -> str:
             f"{row.cache:5s} {row.method:24s} {summary['gbps_median']:7.2f} ({summary['gbps_min']:5.2f}-{summary['gbps_max']:5.2f}) "
             f"{(f'{first * 1000:9.0f} ms' if first is not None else '        n/a'):>13s} "
             f"{summary['peak_rss_above_baseline_median'] / 2**20:8.0f} MiB "
-            f"{(f'{ratio:8.2f}x' if ratio is not None else ''):>9s}"
+            + (
+                f"{summary['peak_device_bytes_median'] / 2**30:5.2f} GiB {summary['peak_pinned_bytes_median'] / 2**20:5.0f} MiB "
+                if on_gpu
+                else ""
+            )
+            + f"{(f'{ratio:8.2f}x' if ratio is not None else ''):>9s}"
         )
     return "\n".join(lines)
 
@@ -172,8 +208,8 @@ def plot(summary: dict, path: str) -> None:
     plt.close(figure)
 
 
-def _why_skipped(method: str) -> str | None:
-    module = missing_module(method)
+def _why_skipped(method: str, device: str) -> str | None:
+    module = missing_module(method, device)
     return f"{module} is not installed" if module else None
 
 
@@ -189,22 +225,28 @@ def _prepare(files: list[str], cache: str) -> None:
             raise BenchmarkError(f"{path}: {resident:.0%} resident in the page cache after preparing a {cache} run; the figure would be wrong")
 
 
-def _run_worker(method: str, uri: str, files: list[str]) -> dict:
-    command = [sys.executable, "-m", "weightstream.bench.worker", method, uri, *files]
+def _run_worker(device: str, method: str, uri: str, files: list[str]) -> dict:
+    command = [sys.executable, "-m", "weightstream.bench.worker", device, method, uri, *files]
     result = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     if result.returncode != 0:
         raise BenchmarkError(f"benchmark of {method} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _machine() -> dict:
-    return {
+def _machine(device: str) -> dict:
+    machine = {
         "cpus": os.cpu_count(),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "kernel": platform.release(),
         "python": platform.python_version(),
         "thp": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
     }
+    if device == "cuda":
+        import torch
+
+        machine["gpu"] = torch.cuda.get_device_name(0)
+        machine["torch_cuda"] = torch.version.cuda
+    return machine
 
 
 def _read(path: str) -> str | None:

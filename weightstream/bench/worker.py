@@ -1,7 +1,11 @@
-"""One measurement in a fresh process: ``python -m weightstream.bench.worker METHOD URI FILE...``.
+"""One measurement in a fresh process: ``python -m weightstream.bench.worker DEVICE METHOD URI FILE...``.
 
-Prints one JSON object: seconds from the call to every tensor materialised and every
-4 KiB page of it touched, seconds to the first tensor, and peak RSS against the baseline.
+Prints one JSON object: seconds from the call to every tensor materialised (on the CPU:
+every 4 KiB page of it touched; on a GPU: the device synchronised), seconds to the first
+tensor, and peak RSS against the baseline; on a GPU also peak device bytes in use (sampled
+from the driver, so every allocator counts) and peak pinned host bytes (torch's pinned
+allocator plus weightstream's registered arenas). The CUDA context is created before the
+clock starts, for every method alike.
 """
 
 from __future__ import annotations
@@ -9,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
 
-from weightstream.bench.methods import METHODS
+from weightstream.bench.methods import METHODS_BY_DEVICE
+from weightstream.memory import pinning
 
 PAGE = 4096
 
@@ -26,19 +32,25 @@ def touch(tensor: torch.Tensor) -> int:
     return int(flat[::PAGE].sum())
 
 
-def measure(method: str, uri: str, files: list[str]) -> dict[str, object]:
-    generator = METHODS[method][0]
+def measure(device: str, method: str, uri: str, files: list[str]) -> dict[str, object]:
+    generator = METHODS_BY_DEVICE[device][method][0]
+    on_gpu = device == "cuda"
+    sampler = DeviceMemorySampler() if on_gpu else None
     baseline = _rss()
     kept, first = [], None
     start = time.perf_counter()
     for _, tensor in generator(uri, files):
-        touch(tensor)
+        if not on_gpu:
+            touch(tensor)
         kept.append(tensor)
         if first is None:
             first = time.perf_counter() - start
+    if on_gpu:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return {
+    result = {
         "method": method,
+        "device": device,
         "seconds": seconds,
         "first_tensor_seconds": first,
         "bytes": sum(os.path.getsize(path) for path in files),
@@ -46,6 +58,36 @@ def measure(method: str, uri: str, files: list[str]) -> dict[str, object]:
         "baseline_rss": baseline,
         "peak_rss": _peak_rss(),
     }
+    if sampler is not None:
+        result["peak_device_bytes"] = sampler.stop()
+        result["peak_pinned_bytes"] = torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0) + pinning.registered_bytes()[1]
+    return result
+
+
+class DeviceMemorySampler:
+    """Peak device bytes in use above the starting point, sampled every millisecond from the driver."""
+
+    def __init__(self) -> None:
+        torch.cuda.init()
+        torch.empty(1, device="cuda:0")  # the context exists before the clock starts
+        self._baseline = self._used()
+        self._peak = self._baseline
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _used(self) -> int:
+        free, total = torch.cuda.mem_get_info(0)
+        return total - free
+
+    def _sample(self) -> None:
+        while not self._stopping.wait(0.001):
+            self._peak = max(self._peak, self._used())
+
+    def stop(self) -> int:
+        self._stopping.set()
+        self._thread.join()
+        return max(self._peak, self._used()) - self._baseline
 
 
 def _peak_rss() -> int:
@@ -64,4 +106,4 @@ def _rss() -> int:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(sys.argv[1], sys.argv[2], sys.argv[3:])))
+    print(json.dumps(measure(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])))

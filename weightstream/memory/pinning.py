@@ -9,10 +9,16 @@ a tensor still views them.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from types import ModuleType
 
 from weightstream.errors import DeviceUnavailableError, HostMemoryError
+
+_counter_lock = threading.Lock()
+_registered = {"current": 0, "peak": 0}
+"""Bytes this process has page-locked through :func:`register` (for benchmarks' peak pinned bytes)."""
+_sizes: dict[int, int] = {}
 
 INSTALL_HINT = "pip install 'weightstream[cuda]' (cuda-bindings, matching your driver's CUDA major version)"
 
@@ -52,14 +58,32 @@ def register(address: int, nbytes: int) -> None:
         if status in (runtime.cudaError_t.cudaErrorInsufficientDriver, runtime.cudaError_t.cudaErrorNoDevice):
             raise DeviceUnavailableError(detail)
         raise HostMemoryError(detail)
+    with _counter_lock:
+        _sizes[address] = nbytes
+        _registered["current"] += nbytes
+        _registered["peak"] = max(_registered["peak"], _registered["current"])
 
 
 def unregister(address: int) -> None:
     """Undo :func:`register` (called by a finaliser: must not raise, so a failure is reported, not raised)."""
     runtime = _runtime()
     (status,) = runtime.cudaHostUnregister(address)
+    with _counter_lock:
+        _registered["current"] -= _sizes.pop(address, 0)
     if status != runtime.cudaError_t.cudaSuccess:
         warnings.warn(f"cudaHostUnregister at {address:#x} failed: {_describe(runtime, status)}", RuntimeWarning, stacklevel=1)
+
+
+def registered_bytes() -> tuple[int, int]:
+    """``(now, peak)`` bytes page-locked by weightstream in this process.
+
+    Example:
+        >>> now, peak = registered_bytes()
+        >>> 0 <= now <= peak
+        True
+    """
+    with _counter_lock:
+        return _registered["current"], _registered["peak"]
 
 
 def _describe(runtime: ModuleType, status: object) -> str:
