@@ -27,7 +27,7 @@ def staged_load(uri, staging=None, **options) -> dict[str, torch.Tensor]:
 
 
 def staged_iter(uri, staging=None, **options):
-    loader, plan, opts = weightstream.plan_load(uri, **options)
+    _, plan, opts = weightstream.plan_load(uri, **options)
     return read_staged(store_for(plan.uri), plan, opts, staging or CpuStaging())
 
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 
 from weightstream.bench.methods import METHODS_BY_DEVICE, missing_module
 from weightstream.errors import BenchmarkError, DeviceUnavailableError, InvalidOptionError
-from weightstream.memory.devices import cuda_available
 from weightstream.formats.checkpoint import find_files
+from weightstream.memory.devices import cuda_available
 from weightstream.sources import pagecache, store_for
 
 CACHES = ("cold", "warm")
