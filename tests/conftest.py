@@ -71,6 +71,7 @@ DESTINATIONS = [
         id="cuda-small-ring",
         marks=[pytest.mark.cuda, _NO_CUDA],
     ),
+    pytest.param(Destination("cuda-gds-auto", {"device": "cuda", "gds": "auto"}, "cuda"), id="cuda-gds-auto", marks=[pytest.mark.cuda, _NO_CUDA]),
 ]
 """Every destination the loaders offer; GPU ones skip themselves without CUDA and run the same checks with it."""
 

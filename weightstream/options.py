@@ -42,6 +42,12 @@ class LoadOptions:
     """CUDA destinations: pinned staging slots in the ring. Default 8: with ``threads`` readers
     they keep the disk and the copy engine busy at once."""
 
+    gds: bool | str = False
+    """CUDA destinations: GPUDirect Storage through cuFile (reads straight from the file into device
+    memory): ``True`` (raise where cuFile cannot open), ``False`` (default: the staging ring), or
+    ``"auto"`` (cuFile where the nvidia-fs module makes it real GPUDirect, else the ring, with the
+    reason logged). Default ``False`` until a GPU benchmark shows cuFile ahead of the ring."""
+
     staging_slot_bytes: int = 16 * MIB
     """CUDA destinations: bytes per staging slot (a multiple of 4096), also the largest read.
     Default 16 MiB. ``staging_slots * staging_slot_bytes`` may not exceed 4 GiB."""
@@ -95,12 +101,14 @@ class LoadOptions:
         for name in ("prefault", "zero_copy"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        for name in ("direct_io", "huge_pages", "pin_memory"):
+        for name in ("direct_io", "huge_pages", "pin_memory", "gds"):
             if not (isinstance(getattr(self, name), bool) or getattr(self, name) == "auto"):
                 raise InvalidOptionError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
         on_cpu = torch.device(self.device).type == "cpu"
         if self.pin_memory is True and not on_cpu:
             raise InvalidOptionError(f"pin_memory=True is for CPU destinations; device {self.device!r} is not one")
+        if self.gds is True and on_cpu:
+            raise InvalidOptionError(f"gds=True reads into GPU memory; device {self.device!r} is not a GPU")
         if self.zero_copy and (not on_cpu or self.pin_memory is True):
             raise InvalidOptionError("zero_copy returns views of a file mapping: it cannot land on a GPU or in pinned memory")
         if self.progress is not None and not callable(self.progress):

@@ -10,18 +10,23 @@ or because the consumer stopped iterating.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
+from weightstream.errors import DeviceUnavailableError
 from weightstream.memory.devices import check_destination
 from weightstream.memory.host import HostArena, MappedFile
 from weightstream.options import LoadOptions
 from weightstream.plan import FileLayout, LoadPlan, ReadRequest, layout_file
 from weightstream.reading import THREAD_NAME_PREFIX, Waiting, forget_failures, open_checked, read_request
 from weightstream.sources.base import Source, Store
+from weightstream.sources.local import LocalStore
+
+log = logging.getLogger(__name__)
 
 
 def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
@@ -35,10 +40,7 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
         yield from _mapped_tensors(plan, opts)
         return
     if torch.device(opts.device).type == "cuda":
-        from weightstream.memory.cuda import CudaStaging
-        from weightstream.staged_reader import read_staged
-
-        yield from read_staged(store, plan, opts, CudaStaging(opts.device))
+        yield from _cuda_tensors(store, plan, opts)
         return
     pinned = check_destination(opts.device, opts.pin_memory)
     layouts = [layout_file(plan.tensors_of(spec.path), opts.chunk_bytes) for spec in plan.files]
@@ -77,6 +79,29 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
                 file_number, request_number = futures.pop(future)
                 for tensor_number in waiting[file_number].request_done(request_number):
                     yield _tensor(layouts[file_number], arenas[file_number], tensor_number)
+
+
+def _cuda_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+    """GPUDirect Storage when asked for (and, on "auto", real), else the staging ring."""
+    from weightstream.memory import gds
+    from weightstream.memory.cuda import CudaStaging
+
+    device = CudaStaging(opts.device)
+    if opts.gds is not False:
+        reason = gds.unavailable_reason(need_nvidia_fs=opts.gds == "auto")
+        if reason is None and not isinstance(store, LocalStore):
+            reason = f"{plan.uri} is not a local file"
+        if reason is None:
+            from weightstream.gds_reader import read_gds
+
+            yield from read_gds(plan, opts, device)
+            return
+        if opts.gds is True:
+            raise DeviceUnavailableError(f"gds=True: GPUDirect Storage is not available: {reason}")
+        log.info("gds='auto': reading through the staging ring: %s", reason)
+    from weightstream.staged_reader import read_staged
+
+    yield from read_staged(store, plan, opts, device)
 
 
 def _mapped_tensors(plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:

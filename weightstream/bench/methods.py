@@ -151,6 +151,7 @@ H2D_BLOCK = 256 << 20
 CUDA_METHODS: dict[str, tuple[Method, str | None]] = {
     "weightstream": (weightstream_with(device="cuda:0"), None),
     "weightstream-small-ring": (weightstream_with(device="cuda:0", staging_slots=4, staging_slot_bytes=4 << 20), None),
+    "weightstream-gds": (weightstream_with(device="cuda:0", gds=True), None),
     "safetensors.load_file": (safetensors_load_file_cuda, "safetensors"),
     "runai-model-streamer": (runai_model_streamer_cuda, "runai_model_streamer"),
     "fastsafetensors-nogds": (fastsafetensors_cuda(nogds=True), "fastsafetensors"),

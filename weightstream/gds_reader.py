@@ -1,0 +1,98 @@
+"""The GPUDirect Storage reader: cuFile reads each request from the file straight into the
+device buffer of its file, with no host memory in between.
+
+Same contract as the other readers: one device buffer per file allocated up front, tensors
+yielded as their last read completes (cuFileRead returns once the bytes are on the device),
+the first failure stops the rest, and cuFile handles, registrations, descriptors and threads
+are all released on every exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from types import ModuleType
+
+import torch
+
+from weightstream.errors import SourceError, TruncatedFileError
+from weightstream.memory import gds
+from weightstream.memory.cuda import CudaStaging
+from weightstream.memory.host import view_as
+from weightstream.options import LoadOptions
+from weightstream.plan import FileLayout, LoadPlan, ReadRequest, layout_file
+from weightstream.reading import THREAD_NAME_PREFIX, Waiting, forget_failures
+
+
+def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of ``plan`` on ``device``, read with cuFile.
+
+    Example:
+        >>> for name, tensor in read_gds(plan, LoadOptions(device="cuda", gds=True), CudaStaging("cuda")):  # doctest: +SKIP
+        ...     model[name].copy_(tensor)
+    """
+    layouts = [layout_file(plan.tensors_of(spec.path), opts.chunk_bytes) for spec in plan.files]
+    layouts = [layout for layout in layouts if layout.tensor_offsets]
+    sizes = {spec.path: spec.size for spec in plan.files}
+    with contextlib.ExitStack() as cleanup:
+        cufile = cleanup.enter_context(gds.driver())
+        destinations = [device.allocate(layout.buffer_bytes, layout.file) for layout in layouts]
+        cleanup.callback(destinations.clear)
+        addresses = [cleanup.enter_context(gds.registered_buffer(cufile, buffer)) for buffer in destinations]
+        handles = [cleanup.enter_context(gds.registered_file(cufile, layout.file, sizes[layout.file])) for layout in layouts]
+        futures: dict[Future, tuple[int, int]] = {}
+        cleanup.callback(forget_failures, futures)
+        stop = threading.Event()
+        readers = ThreadPoolExecutor(
+            max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX + "-gds",
+            initializer=torch.cuda.set_device, initargs=(device.device,),
+        )
+        cleanup.callback(readers.shutdown, wait=True, cancel_futures=True)
+        cleanup.callback(stop.set)
+        for file_number, layout in enumerate(layouts):
+            for request_number, request in enumerate(layout.requests):
+                task = readers.submit(_read, cufile, layout.file, handles[file_number], addresses[file_number], request, stop, opts)
+                futures[task] = (file_number, request_number)
+        waiting = [Waiting(layout) for layout in layouts]
+        for file_number, tensors in enumerate(waiting):
+            for tensor_number in tensors.ready_without_reads():
+                yield _tensor(layouts[file_number], destinations[file_number], tensor_number)
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                future.result()
+                file_number, request_number = futures.pop(future)
+                for tensor_number in waiting[file_number].request_done(request_number):
+                    yield _tensor(layouts[file_number], destinations[file_number], tensor_number)
+
+
+def _read(cufile: ModuleType, path: str, handle: int, address: int, request: ReadRequest, stop: threading.Event, opts: LoadOptions) -> None:
+    if stop.is_set():
+        return
+    done = 0
+    span = f"{path}: cuFileRead of bytes {request.offset}..{request.offset + request.nbytes}"
+    while done < request.nbytes:
+        try:
+            got = cufile.read(handle, address, request.nbytes - done, request.offset + done, request.dest_offset + done)
+        except cufile.cuFileError as error:
+            raise SourceError(f"{span} failed at byte {request.offset + done}: {error}") from None
+        if got < 0:  # -errno is raised above; other negative values are cuFile's own error codes
+            raise SourceError(f"{span} failed at byte {request.offset + done}: cuFile error {_op_error(cufile, -got)}")
+        if got == 0:
+            raise TruncatedFileError(f"{span}: file ends at byte {request.offset + done} (it changed or shrank while loading)")
+        done += got
+    if opts.progress is not None:
+        opts.progress(request.nbytes)
+
+
+def _op_error(cufile: ModuleType, code: int) -> str:
+    known = {error.value: error.name for error in cufile.OpError}
+    return f"{code} ({known[code]})" if code in known else str(code)
+
+
+def _tensor(layout: FileLayout, destination: torch.Tensor, tensor_number: int) -> tuple[str, torch.Tensor]:
+    spec, offset = layout.tensor_offsets[tensor_number]
+    return spec.name, view_as(destination, offset, spec)
