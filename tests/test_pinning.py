@@ -51,3 +51,19 @@ def mapped(address: int) -> bool:
             if start <= address < end:
                 return True
     return False
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None, reason="needs CUDA and cuda-python")
+def test_pinned_load_registers_exactly_its_buffers_and_releases_them(tmp_path, tiny_state, no_leaks):
+    from tests.conftest import save_hf_sharded
+
+    uri = save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=2)
+    before, _ = pinning.registered_bytes()
+    loaded = weightstream.load_weights(uri, pin_memory=True)
+    assert all(tensor.is_pinned() for tensor in loaded.values() if tensor.numel())
+    now, _ = pinning.registered_bytes()
+    assert 0 < now - before < sum(t.numel() * t.element_size() for t in tiny_state.values()) + 2 * 2 * 4096
+    del loaded
+    gc.collect()
+    assert pinning.registered_bytes()[0] == before

@@ -154,3 +154,19 @@ def _acquire_error(ring: StagingRing) -> BaseException | None:
     except BaseException as error:
         return error
     return None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seed", range(3))
+def test_the_cuda_engine_lands_every_byte(seed, no_leaks):
+    from weightstream.memory.cuda import CudaCopyEngine
+
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (20_000_000 + seed * 7919,), dtype=torch.uint8, generator=generator)
+    destination = torch.zeros(data.numel(), dtype=torch.uint8, device="cuda")
+    ring = StagingRing(CudaCopyEngine(torch.device("cuda", 0)), slot_bytes=1 << 20, slots=3, pinned=True)
+    errors = run_readers(ring, data, destination, chunk=(1 << 20) - seed * 4099, readers=6, seed=seed)
+    ring.close()
+    assert errors == []
+    assert torch.equal(destination.cpu(), data)

@@ -38,9 +38,9 @@ class LoadOptions:
     cuda-python are available; the reason is logged when not). ``True`` without them raises
     ``DeviceUnavailableError``. For CPU destinations only."""
 
-    staging_slots: int = 8
-    """CUDA destinations: pinned staging slots in the ring. Default 8: with ``threads`` readers
-    they keep the disk and the copy engine busy at once."""
+    staging_slots: int = 16
+    """CUDA destinations: pinned staging slots in the ring. Default 16: enough for the readers to
+    keep filling slots while the copy engine drains others."""
 
     gds: bool | str = False
     """CUDA destinations: GPUDirect Storage through cuFile (reads straight from the file into device
@@ -48,9 +48,10 @@ class LoadOptions:
     ``"auto"`` (cuFile where the nvidia-fs module makes it real GPUDirect, else the ring, with the
     reason logged). Default ``False`` until a GPU benchmark shows cuFile ahead of the ring."""
 
-    staging_slot_bytes: int = 16 * MIB
-    """CUDA destinations: bytes per staging slot (a multiple of 4096), also the largest read.
-    Default 16 MiB. ``staging_slots * staging_slot_bytes`` may not exceed 4 GiB."""
+    staging_slot_bytes: int = 8 * MIB
+    """CUDA destinations: bytes per staging slot (a multiple of 4096). Reads through the ring are at
+    most ``min(chunk_bytes, staging_slot_bytes)``. Default 8 MiB, the default ``chunk_bytes``
+    (128 MiB of pinned staging in all). ``staging_slots * staging_slot_bytes`` may not exceed 4 GiB."""
 
     threads: int | None = None
     """Reader threads. Default ``None``: twice the number of CPUs, at least 8 (a cold direct read

@@ -30,6 +30,17 @@ def weightstream_with(**options: object) -> Method:
     return load
 
 
+def weightstream_ring_cpu(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The staging ring with the CPU copy engine: what a CUDA load does, minus the device (a diagnostic)."""
+    import weightstream
+    from weightstream.memory.ring import CpuStaging
+    from weightstream.sources import store_for
+    from weightstream.staged_reader import read_staged
+
+    _, plan, opts = weightstream.plan_load(uri)
+    yield from read_staged(store_for(plan.uri), plan, opts, CpuStaging())
+
+
 def safetensors_load_file(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """safetensors.torch.load_file per file: views of a file mapping (not owned memory)."""
     from safetensors.torch import load_file
@@ -168,6 +179,7 @@ METHODS: dict[str, tuple[Method, str | None]] = {
     "weightstream-4k-pages": (weightstream_with(huge_pages=False), None),
     "weightstream-buffered": (weightstream_with(direct_io=False), None),
     "weightstream-zero-copy": (weightstream_with(zero_copy=True), None),
+    "weightstream-ring-cpu": (weightstream_ring_cpu, None),
     "safetensors.load_file": (safetensors_load_file, "safetensors"),
     "safetensors.safe_open": (safetensors_safe_open, "safetensors"),
     "runai-model-streamer": (runai_model_streamer, "runai_model_streamer"),
