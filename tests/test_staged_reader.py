@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,24 @@ def test_one_slot_many_readers(tmp_path: Path, no_leaks):
     uri = save_hf_sharded(state, tmp_path / "ckpt", shards=1)
     loaded = staged_load(uri, threads=16, staging_slots=1, staging_slot_bytes=4096, chunk_bytes=4096)
     assert_same(loaded, state)
+
+
+def test_a_failed_allocation_frees_the_earlier_files_at_once(tmp_path: Path, no_leaks):
+    """A device too small for the last shard: the shards allocated before it are freed before the
+    error reaches the caller, not when the caller drops the traceback."""
+    state = llama_state_dict(LlamaShape(hidden=128, intermediate=352, layers=4, vocab=500))
+    uri = save_hf_sharded(state, tmp_path / "ckpt", shards=3)
+    allocated: list[weakref.ref] = []
+
+    class SmallDevice(CpuStaging):
+        def allocate(self, nbytes: int, file: str) -> torch.Tensor:
+            if len(allocated) == 2:
+                raise weightstream.DeviceMemoryError(f"{file}: cannot allocate {nbytes} bytes")
+            buffer = super().allocate(nbytes, file)
+            allocated.append(weakref.ref(buffer))
+            return buffer
+
+    with pytest.raises(weightstream.DeviceMemoryError, match=r"model-00003-of-00003.safetensors: cannot allocate") as raised:
+        staged_load(uri, SmallDevice())
+    assert raised.value.__traceback__ is not None, "the caller still holds the traceback"
+    assert [ref() for ref in allocated] == [None, None], "earlier shards' buffers outlived the failed load"
