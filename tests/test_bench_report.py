@@ -1,0 +1,59 @@
+"""The benchmark report: ratios, the text table and the JSON, on CPU and on GPU reports
+(the GPU columns are built here from recorded runs, so their formatting is tested without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightstream.bench.runner import BenchReport, Row, format_table, plot, ratios
+from weightstream.errors import InvalidOptionError
+
+GIB = 1 << 30
+
+
+def run(seconds: float, **extra) -> dict:
+    return {"seconds": seconds, "first_tensor_seconds": 0.05, "bytes": 8 * GIB, "baseline_rss": 100, "peak_rss": 100 + 64 * 2**20, **extra}
+
+
+def gpu_report() -> BenchReport:
+    rows = [
+        Row("weightstream", "warm", "cuda", [run(0.5, peak_device_bytes=8 * GIB, peak_pinned_bytes=128 << 20) for _ in range(3)]),
+        Row("safetensors.load_file", "warm", "cuda", [run(s, peak_device_bytes=8 * GIB, peak_pinned_bytes=0) for s in (2.0, 2.2, 1.8)]),
+        Row("limit-h2d-pinned", "warm", "cuda", [run(0.4, peak_device_bytes=8 * GIB, peak_pinned_bytes=256 << 20)]),
+        Row("instanttensor", "warm", "cuda", skipped="instanttensor is not installed"),
+    ]
+    return BenchReport("/ckpt", ["/ckpt/a.safetensors"], 8 * GIB, 3, rows, {"gpu": "H200"}, "cuda")
+
+
+def test_gpu_table_has_device_and_pinned_columns_and_ratios():
+    table = format_table(gpu_report())
+    lines = table.splitlines()
+    assert "to cuda" in lines[0]
+    assert "GPU +" in lines[1] and "pinned" in lines[1]
+    ours = next(line for line in lines if line.startswith("warm  weightstream "))
+    assert "17.18" in ours and "8.00 GiB" in ours and "128 MiB" in ours
+    safetensors = next(line for line in lines if "safetensors.load_file" in line)
+    assert safetensors.rstrip().endswith("4.00x")
+    assert "instanttensor" in table and "skipped: instanttensor is not installed" in table
+    assert ratios(gpu_report())["warm"]["limit-h2d-pinned"] == pytest.approx(0.8)
+
+
+def test_gpu_json_carries_the_device_peaks(tmp_path):
+    summary = gpu_report().to_json()
+    assert summary["device"] == "cuda"
+    ours = next(r for r in summary["results"] if r["method"] == "weightstream")
+    assert ours["peak_device_bytes_median"] == 8 * GIB and ours["peak_pinned_bytes_median"] == 128 << 20
+    plot(summary, str(tmp_path / "gpu.png"))
+    assert (tmp_path / "gpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cpu_table_has_no_gpu_columns():
+    report = BenchReport("/ckpt", ["/ckpt/a.safetensors"], 8 * GIB, 1, [Row("weightstream", "cold", "cpu", [run(4.0)])], {}, "cpu")
+    assert "GPU" not in format_table(report) and "peak_device_bytes_median" not in report.to_json()["results"][0]
+
+
+def test_unknown_device_is_refused():
+    from weightstream.bench.runner import check_device
+
+    with pytest.raises(InvalidOptionError, match=r"unknown benchmark device 'tpu'; devices: cpu, cuda"):
+        check_device("tpu")
