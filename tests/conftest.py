@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -125,3 +126,37 @@ def _fd_target(fd: str) -> str | None:
         return os.readlink(f"/proc/self/fd/{fd}")
     except FileNotFoundError:  # the fd listdir itself used
         return None
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """A real S3 server (SeaweedFS) for the session, reached through the standard AWS variables."""
+    from tests.objstore import KEYS, seaweedfs
+
+    with seaweedfs(tmp_path_factory.mktemp("s3")) as endpoint, _environment({**KEYS, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"}):
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint(tmp_path_factory):
+    """A GCS emulator (fake-gcs-server) for the session, reached through STORAGE_EMULATOR_HOST."""
+    from tests.objstore import fake_gcs
+
+    with fake_gcs(tmp_path_factory.mktemp("gcs")) as endpoint, _environment(
+        {"STORAGE_EMULATOR_HOST": endpoint, "FSSPEC_GCS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    ):
+        yield endpoint
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

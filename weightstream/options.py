@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Union
 
 import torch
@@ -80,6 +80,11 @@ class LoadOptions:
     fresh pages, for callers that copy each tensor out at once. Default ``False``. The tensors
     are file-backed: truncating the file while they live makes reading them fault (SIGBUS)."""
 
+    storage_options: Mapping[str, Any] | None = None
+    """Object stores: options for the fsspec filesystem (s3fs, gcsfs), e.g. ``{"endpoint_url": ...}``.
+    Default ``None``: the standard environment variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+    ``STORAGE_EMULATOR_HOST``, ...)."""
+
     progress: ProgressCallback | None = None
     """Called from reader threads with each count of bytes read. Default ``None``."""
 
@@ -112,6 +117,8 @@ class LoadOptions:
             raise InvalidOptionError(f"gds=True reads into GPU memory; device {self.device!r} is not a GPU")
         if self.zero_copy and (not on_cpu or self.pin_memory is True):
             raise InvalidOptionError("zero_copy returns views of a file mapping: it cannot land on a GPU or in pinned memory")
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise OptionError(f"storage_options must be a mapping, got {type(self.storage_options).__name__}")
         if self.progress is not None and not callable(self.progress):
             raise OptionError(f"progress must be callable, got {type(self.progress).__name__}")
         if self.filter is not None:

@@ -45,6 +45,8 @@ class FileSpec:
     data_offset: int
     """Where the data section starts (after the 8-byte length and the header)."""
     metadata: Mapping[str, str]
+    version: str | None = None
+    """The object version the header was read from (an S3 ETag, a GCS generation); None for local files."""
 
 
 @dataclasses.dataclass(frozen=True)

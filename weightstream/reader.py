@@ -45,9 +45,9 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
     pinned = check_destination(opts.device, opts.pin_memory)
     layouts = [layout_file(plan.tensors_of(spec.path), opts.chunk_bytes) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
-    sizes = {spec.path: spec.size for spec in plan.files}
+    specs = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
-        sources = [cleanup.enter_context(open_checked(store, layout.file, sizes[layout.file], opts)) for layout in layouts]
+        sources = [cleanup.enter_context(open_checked(store, specs[layout.file], opts)) for layout in layouts]
         arenas = [
             HostArena(layout.buffer_bytes, huge_pages=_huge_pages(source, opts), pinned=pinned)
             for layout, source in zip(layouts, sources, strict=True)

@@ -9,18 +9,18 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
 from weightstream.options import LoadOptions
-from weightstream.plan import PAGE, FileLayout, ReadRequest, round_up_to_page
+from weightstream.plan import PAGE, FileLayout, FileSpec, ReadRequest, round_up_to_page
 from weightstream.sources.base import Source, Store, check_unchanged
 
 THREAD_NAME_PREFIX = "weightstream-read"
 
 
 @contextlib.contextmanager
-def open_checked(store: Store, path: str, planned_size: int, opts: LoadOptions) -> Iterator[Source]:
-    """Open ``path`` for this load's reads, checking it still has the size the plan was made from."""
-    source = store.open(path, direct=opts.direct_io)
+def open_checked(store: Store, spec: FileSpec, opts: LoadOptions) -> Iterator[Source]:
+    """Open ``spec``'s file for this load's reads, checking it still has the size and version the plan was made from."""
+    source = store.open(spec.path, direct=opts.direct_io)
     try:
-        check_unchanged(path, planned_size, source.size)
+        check_unchanged(spec.path, spec.size, source.size, spec.version, source.version)
         yield source
     finally:
         source.close()

@@ -50,9 +50,9 @@ def read_staged(store: Store, plan: LoadPlan, opts: LoadOptions, staging: Stagin
     chunk_bytes = min(opts.chunk_bytes, opts.staging_slot_bytes)
     layouts = [layout_file(plan.tensors_of(spec.path), chunk_bytes) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
-    sizes = {spec.path: spec.size for spec in plan.files}
+    specs = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
-        sources = [cleanup.enter_context(open_checked(store, layout.file, sizes[layout.file], opts)) for layout in layouts]
+        sources = [cleanup.enter_context(open_checked(store, specs[layout.file], opts)) for layout in layouts]
         destinations = [staging.allocate(layout.buffer_bytes, layout.file) for layout in layouts]
         cleanup.callback(destinations.clear)
         futures: dict[Future, tuple[int, int]] = {}

@@ -105,7 +105,7 @@ def read_plan(store: Store, uri: str, wants: Callable[[str], bool], required: Co
     for path in checkpoint.files:
         with contextlib.closing(store.open(path)) as source:
             header = read_header(source)
-        files.append(FileSpec(path=path, size=source.size, data_offset=header.data_offset, metadata=header.metadata))
+        files.append(FileSpec(path=path, size=source.size, data_offset=header.data_offset, metadata=header.metadata, version=source.version))
         for entry in header.entries:
             if entry.name in seen:
                 raise FormatError(f"tensor {entry.name!r} is in both {seen[entry.name]} and {path}")

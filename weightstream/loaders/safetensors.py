@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
 
+from weightstream.errors import InvalidOptionError
 from weightstream.formats.checkpoint import read_plan
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.plan import LoadPlan
 from weightstream.reader import read_tensors
-from weightstream.sources import store_for
+from weightstream.sources import Store, store_for
+from weightstream.sources.objectstore import ObjectStore
 
 
 class SafetensorsLoader:
@@ -28,9 +31,24 @@ class SafetensorsLoader:
 
     def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
         check_destination(opts.device, opts.pin_memory)
-        required = opts.filter if opts.filter is not None and not callable(opts.filter) else ()
-        return read_plan(store_for(uri), uri, opts.wants, required)
+        with contextlib.closing(store_for(uri, opts.storage_options)) as store:
+            if isinstance(store, ObjectStore):
+                _check_remote_options(uri, opts)
+            required = opts.filter if opts.filter is not None and not callable(opts.filter) else ()
+            return read_plan(store, uri, opts.wants, required)
 
     def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         check_destination(opts.device, opts.pin_memory)
-        return read_tensors(store_for(plan.uri), plan, opts)
+        return _read_and_close(store_for(plan.uri, opts.storage_options), plan, opts)
+
+
+def _read_and_close(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+    with contextlib.closing(store):
+        yield from read_tensors(store, plan, opts)
+
+
+def _check_remote_options(uri: str, opts: LoadOptions) -> None:
+    """Options that only mean something for local files are refused for objects, not ignored."""
+    for name, meaningless in (("direct_io", opts.direct_io is True), ("zero_copy", opts.zero_copy), ("gds", opts.gds is True)):
+        if meaningless:
+            raise InvalidOptionError(f"{name}={getattr(opts, name)!r}: {uri} is an object, not a local file")

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from weightstream.errors import UnsupportedInputError
 from weightstream.sources.base import Source, Store
 from weightstream.sources.local import LocalStore
+from weightstream.sources.objectstore import PROTOCOLS, ObjectStore
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "http://", "https://")
 
 __all__ = ["Source", "Store", "store_for"]
 
 
-def store_for(uri: str) -> Store:
-    """The store that serves ``uri``.
+def store_for(uri: str, storage_options: Mapping[str, Any] | None = None) -> Store:
+    """The store that serves ``uri`` (``storage_options`` go to the object store's filesystem).
 
     Example:
         >>> type(store_for("/tmp")).__name__
@@ -20,5 +24,7 @@ def store_for(uri: str) -> Store:
     """
     if uri.startswith(REMOTE_SCHEMES):
         scheme = uri.split("://", 1)[0]
-        raise UnsupportedInputError(f"{uri}: {scheme}:// URIs are not supported by this version of weightstream; use a local path")
+        if scheme not in PROTOCOLS:
+            raise UnsupportedInputError(f"{uri}: {scheme}:// URIs are not supported by this version of weightstream; use s3://, gs:// or a local path")
+        return ObjectStore(scheme, storage_options)
     return LocalStore()

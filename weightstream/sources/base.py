@@ -12,6 +12,8 @@ class Source(Protocol):
 
     uri: str
     size: int
+    version: str | None
+    """The version reads are pinned to (an S3 ETag, a GCS generation); None for local files."""
 
     def read(self, offset: int, nbytes: int) -> bytes:
         """Exactly ``nbytes`` from ``offset`` (small reads: headers, indexes)."""
@@ -45,8 +47,13 @@ class Store(Protocol):
     def open(self, uri: str, *, direct: bool | str = False) -> Source:
         """Open ``uri`` for reading; ``direct`` is ``True``, ``False`` or ``"auto"`` (see ``LoadOptions.direct_io``)."""
 
+    def close(self) -> None:
+        """Release connections the store holds; idempotent."""
 
-def check_unchanged(uri: str, planned_size: int, size_now: int) -> None:
-    """Raise if an object's size differs from the size its header was planned with."""
+
+def check_unchanged(uri: str, planned_size: int, size_now: int, planned_version: str | None = None, version_now: str | None = None) -> None:
+    """Raise if an object's size (or version) differs from what its header was planned with."""
     if size_now != planned_size:
         raise SourceChangedError(f"{uri}: is {size_now} bytes now, {planned_size} when its header was read (it changed while loading)")
+    if version_now != planned_version:
+        raise SourceChangedError(f"{uri}: is version {version_now} now, {planned_version} when its header was read (it changed while loading)")

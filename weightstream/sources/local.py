@@ -49,6 +49,9 @@ class LocalFile:
         self.read_into(offset, memoryview(buffer))
         return bytes(buffer)
 
+    version = None
+    """Local files are not versioned: size and the header are what a load checks."""
+
     def read_into(self, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` from ``offset``. Bytes past the size the file had when opened are not
         read (only aligned direct reads ask for them); any other shortfall raises."""
@@ -93,6 +96,9 @@ class LocalStore:
 
     def join(self, directory: str, name: str) -> str:
         return os.path.join(_path(directory), name)
+
+    def close(self) -> None:
+        """Nothing to release: each file is closed by its reader."""
 
     def open(self, uri: str, *, direct: DirectMode = False) -> LocalFile:
         """Open ``uri``; ``direct="auto"`` reads directly when the file is mostly not in the page cache."""

