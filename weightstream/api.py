@@ -20,9 +20,10 @@ AUTO = "auto"
 def resolve_format(uri: str) -> str:
     """The format ``format="auto"`` picks for ``uri``.
 
-    Today every local file or directory resolves to ``"safetensors"``: one
-    ``.safetensors`` file, a directory with ``model.safetensors.index.json``, or a
-    directory of ``*.safetensors`` files. (Pickle files are refused by the loader.)
+    Today every URI resolves to ``"safetensors"``: one ``.safetensors`` file, a
+    directory (or object-store prefix) with ``model.safetensors.index.json``, or one of
+    ``*.safetensors`` files, local or under ``s3://`` / ``gs://``. (Pickle files are
+    refused by the loader.)
 
     Example:
         >>> resolve_format("model.safetensors")
