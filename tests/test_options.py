@@ -47,7 +47,7 @@ def test_bad_values(kwargs, error, message):
 
 
 def test_unknown_option_lists_known_ones():
-    with pytest.raises(OptionError, match=r"unknown option\(s\) nthreads; known options: chunk_bytes, device, direct_io, filter, gds, huge_pages, pin_memory, prefault, progress, staging_slot_bytes, staging_slots, storage_options, threads, zero_copy"):
+    with pytest.raises(OptionError, match=r"unknown option\(s\) nthreads; known options: chunk_bytes, deadline_s, device, direct_io, filter, gds, huge_pages, pin_memory, prefault, progress, request_timeout_s, retries, staging_slot_bytes, staging_slots, storage_options, threads, zero_copy"):
         LoadOptions.from_kwargs(nthreads=2)
 
 

@@ -58,6 +58,10 @@ class SourceError(WeightstreamError, OSError):
     """Reading from a source failed with an operating-system error."""
 
 
+class SourceTimeout(SourceError, TimeoutError):
+    """A request stalled past its timeout on every attempt, or the load passed its deadline."""
+
+
 class SourceChangedError(SourceError):
     """A file changed between reading its header and reading its tensors."""
 

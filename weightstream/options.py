@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Union
 
 import torch
 
 from weightstream.errors import InvalidOptionError, OptionError
+from weightstream.sources.retry import RetryPolicy
 
 TensorFilter = Union[Collection[str], Callable[[str], bool]]
 """Names to load: a collection of tensor names, or a predicate on the name."""
@@ -85,6 +87,19 @@ class LoadOptions:
     Default ``None``: the standard environment variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
     ``STORAGE_EMULATOR_HOST``, ...)."""
 
+    retries: int = 5
+    """Object stores: further attempts at a range after a transient failure (5xx, SlowDown, a reset
+    connection, a stall, a short body), with exponential backoff and jitter; a broken range resumes
+    from the byte reached. Authentication, not-found and changed-object errors are never retried.
+    Default 5."""
+
+    request_timeout_s: float = 30.0
+    """Object stores: seconds a request may go without receiving a byte before it counts as stalled
+    (and is retried). Default 30."""
+
+    deadline_s: float | None = None
+    """Object stores: seconds the whole read may take before ``SourceTimeout``. Default ``None``: no deadline."""
+
     progress: ProgressCallback | None = None
     """Called from reader threads with each count of bytes read. Default ``None``."""
 
@@ -117,6 +132,14 @@ class LoadOptions:
             raise InvalidOptionError(f"gds=True reads into GPU memory; device {self.device!r} is not a GPU")
         if self.zero_copy and (not on_cpu or self.pin_memory is True):
             raise InvalidOptionError("zero_copy returns views of a file mapping: it cannot land on a GPU or in pinned memory")
+        if not _is_int(self.retries) or self.retries < 0:
+            raise InvalidOptionError(f"retries must be a non-negative integer, got {self.retries!r}")
+        for name in ("request_timeout_s", "deadline_s"):
+            value = getattr(self, name)
+            if value is None and name == "deadline_s":
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise InvalidOptionError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise OptionError(f"storage_options must be a mapping, got {type(self.storage_options).__name__}")
         if self.progress is not None and not callable(self.progress):
@@ -142,6 +165,11 @@ class LoadOptions:
     def reader_threads(self) -> int:
         """The number of reader threads this load uses."""
         return self.threads if self.threads is not None else max(8, 2 * (os.cpu_count() or 1))
+
+    def retry_policy(self) -> RetryPolicy:
+        """How object-store requests of a load starting now are retried (its deadline starts now)."""
+        deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
+        return RetryPolicy(self.retries, self.request_timeout_s, deadline)
 
     def wants(self, name: str) -> bool:
         """Whether the filter selects tensor ``name``."""

@@ -169,5 +169,5 @@ def test_abandoned_iterator_leaks_nothing(layout, destination, tmp_path: Path, t
 
 def test_unknown_option_raises_before_any_io(layout, tmp_path: Path):
     name, _ = layout
-    with pytest.raises(weightstream.OptionError, match=r"unknown option\(s\) chunk_size; known options: chunk_bytes, device"):
+    with pytest.raises(weightstream.OptionError, match=r"unknown option\(s\) chunk_size; known options: chunk_bytes, deadline_s, device"):
         weightstream.iter_weights(tmp_path / "does-not-exist", format=name, chunk_size=1)

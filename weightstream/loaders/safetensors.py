@@ -31,7 +31,7 @@ class SafetensorsLoader:
 
     def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
         check_destination(opts.device, opts.pin_memory)
-        with contextlib.closing(store_for(uri, opts.storage_options)) as store:
+        with contextlib.closing(store_for(uri, opts.storage_options, opts.retry_policy())) as store:
             if isinstance(store, ObjectStore):
                 _check_remote_options(uri, opts)
             required = opts.filter if opts.filter is not None and not callable(opts.filter) else ()
@@ -39,7 +39,7 @@ class SafetensorsLoader:
 
     def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         check_destination(opts.device, opts.pin_memory)
-        return _read_and_close(store_for(plan.uri, opts.storage_options), plan, opts)
+        return _read_and_close(store_for(plan.uri, opts.storage_options, opts.retry_policy()), plan, opts)
 
 
 def _read_and_close(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:

@@ -9,14 +9,16 @@ from weightstream.errors import UnsupportedInputError
 from weightstream.sources.base import Source, Store
 from weightstream.sources.local import LocalStore
 from weightstream.sources.objectstore import PROTOCOLS, ObjectStore
+from weightstream.sources.retry import RetryPolicy
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "http://", "https://")
 
 __all__ = ["Source", "Store", "store_for"]
 
 
-def store_for(uri: str, storage_options: Mapping[str, Any] | None = None) -> Store:
-    """The store that serves ``uri`` (``storage_options`` go to the object store's filesystem).
+def store_for(uri: str, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> Store:
+    """The store that serves ``uri`` (``storage_options`` go to an object store's filesystem, ``policy``
+    says how its requests are retried).
 
     Example:
         >>> type(store_for("/tmp")).__name__
@@ -26,5 +28,5 @@ def store_for(uri: str, storage_options: Mapping[str, Any] | None = None) -> Sto
         scheme = uri.split("://", 1)[0]
         if scheme not in PROTOCOLS:
             raise UnsupportedInputError(f"{uri}: {scheme}:// URIs are not supported by this version of weightstream; use s3://, gs:// or a local path")
-        return ObjectStore(scheme, storage_options)
+        return ObjectStore(scheme, storage_options, policy)
     return LocalStore()

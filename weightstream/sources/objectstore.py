@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightstream.errors import NotFound, SourceChangedError, SourceError, UnsupportedInputError
+from weightstream.sources.retry import RetryPolicy, Transient
 
 PROTOCOLS = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}
 """URI scheme -> fsspec protocol."""
@@ -32,14 +33,20 @@ def filesystem(protocol: str, storage_options: Mapping[str, Any] | None) -> Any:
     # A filesystem of our own per store (not fsspec's shared instance), so that closing the store
     # closes its connections: nothing of a load outlives it.
     options = {**(storage_options or {}), "skip_instance_cache": True}
+    if protocol == "s3":
+        # Our retry loop (which resumes broken ranges) is the only one: botocore tries once (s3fs below).
+        options.setdefault("config_kwargs", {"retries": {"max_attempts": 1, "mode": "standard"}})
     if protocol == "gcs":
         # gcsfs 2025+ probes the bucket type over gRPC unless told not to; against emulators every call then hangs.
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
         options.setdefault("version_aware", True)
     try:
-        return fsspec.filesystem(protocol, **options)
+        fs = fsspec.filesystem(protocol, **options)
     except ImportError as error:
         raise UnsupportedInputError(f"{protocol}:// needs {error.name or 'its fsspec backend'}; {INSTALL_HINTS[protocol]}") from None
+    if protocol == "s3":
+        fs.retries = 1  # s3fs's own attempts per call (a class attribute, not a constructor argument)
+    return fs
 
 
 class ObjectStore:
@@ -51,9 +58,10 @@ class ObjectStore:
         4096
     """
 
-    def __init__(self, scheme: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, scheme: str, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> None:
         self.scheme = scheme
         self.protocol = PROTOCOLS[scheme]
+        self.policy = policy or RetryPolicy()
         self.fs = filesystem(self.protocol, storage_options)
 
     def is_dir(self, uri: str) -> bool:
@@ -93,18 +101,28 @@ class ObjectStore:
         return uri.split("://", 1)[1]
 
     def _call(self, uri: str, function: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return function(*args, **kwargs)
-        except FileNotFoundError:
-            raise NotFound(f"{uri}: no such object") from None
-        except PermissionError as error:
-            raise SourceError(f"{uri}: access denied: {error}") from None
-        except OSError as error:
-            raise SourceError(f"{uri}: {error}") from None
+        """A metadata call (info, ls, ...), retried like ranges; each attempt bounded by the stall timeout."""
+        from fsspec.exceptions import FSTimeoutError
+
+        attempt = 1
+        while True:
+            self.policy.check_deadline(uri)
+            try:
+                return function(*args, timeout=self.policy.timeout(), **kwargs)  # fsspec's sync() takes `timeout`
+            except FileNotFoundError:
+                raise NotFound(f"{uri}: no such object") from None
+            except PermissionError as error:
+                raise SourceError(f"{uri}: access denied: {error}") from None
+            except FSTimeoutError:
+                failure = Transient(f"no answer for {self.policy.timeout():.1f} s (stalled)", stalled=True)
+            except Exception as error:  # noqa: BLE001 - 5xx, resets: s3fs and gcsfs raise many types
+                failure = Transient(f"{type(error).__name__}: {error}")
+            attempt += 1
+            self.policy.wait_before(attempt, uri, failure)
 
 
 class ObjectSource:
-    """One object at one version; ranges are read with one request each."""
+    """One object at one version; each range is one request, retried and resumed as the policy says."""
 
     direct = False
 
@@ -120,59 +138,118 @@ class ObjectSource:
         return bytes(buffer)
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
-        """Fill ``buffer`` with bytes ``offset..offset+len(buffer)`` of this version of the object."""
-        nbytes = len(buffer)
-        if nbytes == 0:
-            return
-        if offset + nbytes > self.size:
-            raise SourceError(f"{self.uri}: read of bytes {offset}..{offset + nbytes} past its end ({self.size} bytes)")
-        data = self._fetch(offset, nbytes)
-        if len(data) != nbytes:
-            raise SourceError(
-                f"{self.uri}: range {offset}..{offset + nbytes} answered with {len(data)} bytes "
-                f"(a short body, or the whole object where a range was asked for)"
-            )
-        buffer[:] = data
+        """Fill ``buffer`` with bytes ``offset..offset+len(buffer)`` of this version of the object.
 
-    def _fetch(self, offset: int, nbytes: int) -> bytes:
-        fs, key = self.store.fs, self.store._key(self.uri)
+        Transient failures are retried with backoff; a broken range resumes from the byte reached.
+        """
+        from fsspec.asyn import sync
+
+        nbytes = len(buffer)
         span = f"{self.uri}: range {offset}..{offset + nbytes}"
+        if offset + nbytes > self.size:
+            raise SourceError(f"{span} is past its end ({self.size} bytes)")
+        policy, received, attempt = self.store.policy, [0], 1
+        while received[0] < nbytes:
+            policy.check_deadline(span)
+            try:
+                sync(self.store.fs.loop, self._stream, offset, buffer, received, span)
+            except Transient as failure:
+                attempt += 1
+                policy.wait_before(attempt, span, failure)
+
+    async def _stream(self, offset: int, buffer: memoryview, received: list[int], span: str) -> None:
+        """One request for the bytes not yet received; ``received[0]`` advances as chunks land."""
+        start = offset + received[0]
+        end = offset + len(buffer)  # exclusive
         if self.store.protocol == "s3":
-            return _s3_range(fs, key, offset, nbytes, self.version, span)
-        try:
-            return fs.cat_file(f"{key}#{self.version}", start=offset, end=offset + nbytes)
-        except FileNotFoundError:
-            raise SourceChangedError(f"{span}: generation {self.version} is gone (the object was replaced or deleted while loading)") from None
-        except OSError as error:
-            raise SourceError(f"{span}: {error}") from None
+            await _s3_stream(self.store, self.uri, start, end, self.version, buffer, received, span)
+        else:
+            await _gcs_stream(self.store, self.uri, start, end, self.version, buffer, received, span)
 
     def close(self) -> None:
-        """Nothing to release: connections belong to the filesystem's pool."""
+        """Nothing to release: connections belong to the store's session."""
 
 
-def _s3_range(fs: Any, key: str, offset: int, nbytes: int, etag: str, span: str) -> bytes:
-    from fsspec.asyn import sync
+CHUNK = 1 << 20
 
-    bucket, _, name = key.partition("/")
 
-    async def get() -> tuple[dict, bytes]:
-        answer = await fs._call_s3("get_object", Bucket=bucket, Key=name, Range=f"bytes={offset}-{offset + nbytes - 1}", IfMatch=etag)
-        async with answer["Body"] as body:
-            return answer, await body.read()
+async def _drain(read: Any, buffer: memoryview, received: list[int], wanted: int, policy: RetryPolicy, span: str) -> None:
+    """Copy chunks from ``read(n)`` into ``buffer`` until ``wanted`` bytes have arrived in all."""
+    import asyncio
 
+    while received[0] < wanted:
+        try:
+            chunk = await asyncio.wait_for(read(min(CHUNK, wanted - received[0])), policy.timeout())
+        except asyncio.TimeoutError:
+            raise Transient(f"no byte for {policy.timeout():.1f} s after {received[0]} of {wanted} bytes (stalled)", stalled=True) from None
+        except Exception as error:  # noqa: BLE001 - resets and protocol errors surface as many types (aiohttp, botocore)
+            raise Transient(f"connection broke after {received[0]} of {wanted} bytes: {type(error).__name__}: {error}") from None
+        if not chunk:
+            raise Transient(f"short body: the answer ended after {received[0]} of {wanted} bytes")
+        buffer[received[0] : received[0] + len(chunk)] = chunk
+        received[0] += len(chunk)
+
+
+async def _s3_stream(store: ObjectStore, uri: str, start: int, end: int, etag: str, buffer: memoryview, received: list[int], span: str) -> None:
+    import asyncio
+
+    bucket, _, name = store._key(uri).partition("/")
     try:
-        answer, data = sync(fs.loop, get)
+        answer = await asyncio.wait_for(
+            store.fs._call_s3("get_object", Bucket=bucket, Key=name, Range=f"bytes={start}-{end - 1}", IfMatch=etag),
+            store.policy.timeout(),
+        )
+    except asyncio.TimeoutError:
+        raise Transient(f"no answer for {store.policy.timeout():.1f} s (stalled)", stalled=True) from None
     except FileNotFoundError:
         raise SourceChangedError(f"{span}: the object was deleted while loading") from None
+    except PermissionError as error:
+        raise SourceError(f"{span}: access denied: {error}") from None
     except OSError as error:
         code = getattr(error.__cause__, "response", {}).get("Error", {}).get("Code")
         if code == "PreconditionFailed":
             raise SourceChangedError(f"{span}: ETag {etag} no longer matches (the object was replaced while loading)") from None
-        raise SourceError(f"{span}: {error}") from None
-    expected = f"bytes {offset}-{offset + nbytes - 1}/"
-    if not str(answer.get("ContentRange", "")).startswith(expected):
-        raise SourceError(f"{span}: answered {answer.get('ContentRange') or 'without a Content-Range (200, not 206)'}, expected {expected}...")
-    return data
+        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket"):
+            raise SourceError(f"{span}: {code}: {error}") from None
+        raise Transient(f"{code or type(error).__name__}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - botocore/aiohttp connection and protocol errors: worth a retry
+        raise Transient(f"{type(error).__name__}: {error}") from None
+    expected = f"bytes {start}-{end - 1}/"
+    async with answer["Body"] as body:
+        if not str(answer.get("ContentRange", "")).startswith(expected):
+            raise SourceError(f"{span}: answered {answer.get('ContentRange') or 'without a Content-Range (200, not 206)'}, expected {expected}...")
+        await _drain(body.read, buffer, received, len(buffer), store.policy, span)
+
+
+async def _gcs_stream(store: ObjectStore, uri: str, start: int, end: int, generation: str, buffer: memoryview, received: list[int], span: str) -> None:
+    import asyncio
+
+    import aiohttp
+
+    fs = store.fs
+    url = fs.url(store._key(uri), generation=generation)
+    headers = fs._get_headers({"Range": f"bytes={start}-{end - 1}"})
+    session = await fs._set_session()
+    try:
+        response = await asyncio.wait_for(session.get(url, headers=headers), store.policy.timeout())
+    except asyncio.TimeoutError:
+        raise Transient(f"no answer for {store.policy.timeout():.1f} s (stalled)", stalled=True) from None
+    except (aiohttp.ClientError, OSError) as error:
+        raise Transient(f"{type(error).__name__}: {error}") from None
+    async with response:
+        if response.status == 404:
+            raise SourceChangedError(f"{span}: generation {generation} is gone (the object was replaced or deleted while loading)")
+        if response.status in (401, 403):
+            raise SourceError(f"{span}: access denied ({response.status})")
+        if response.status == 429 or response.status >= 500:
+            raise Transient(f"HTTP {response.status}")
+        expected = f"bytes {start}-{end - 1}/"
+        if response.status != 206 or not response.headers.get("Content-Range", "").startswith(expected):
+            raise SourceError(
+                f"{span}: answered HTTP {response.status} {response.headers.get('Content-Range') or 'without a Content-Range'}, "
+                f"expected 206 {expected}..."
+            )
+        await _drain(response.content.read, buffer, received, len(buffer), store.policy, span)
 
 
 def _version(protocol: str, info: dict) -> str:
