@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 
 import torch
@@ -20,10 +20,9 @@ import torch
 from weightstream.errors import SourceError, TruncatedFileError
 from weightstream.memory import gds
 from weightstream.memory.cuda import CudaStaging
-from weightstream.memory.host import view_as
 from weightstream.options import LoadOptions
-from weightstream.plan import FileLayout, LoadPlan, ReadRequest, layout_file
-from weightstream.reading import THREAD_NAME_PREFIX, Waiting, forget_failures
+from weightstream.plan import LoadPlan, ReadRequest, layout_file
+from weightstream.reading import THREAD_NAME_PREFIX, buffer_tensor, forget_failures, tensors_as_read
 
 
 def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator[tuple[str, torch.Tensor]]:
@@ -55,18 +54,7 @@ def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator
             for request_number, request in enumerate(layout.requests):
                 task = readers.submit(_read, cufile, layout.file, handles[file_number], addresses[file_number], request, stop, opts)
                 futures[task] = (file_number, request_number)
-        waiting = [Waiting(layout) for layout in layouts]
-        for file_number, tensors in enumerate(waiting):
-            for tensor_number in tensors.ready_without_reads():
-                yield _tensor(layouts[file_number], destinations[file_number], tensor_number)
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                future.result()
-                file_number, request_number = futures.pop(future)
-                for tensor_number in waiting[file_number].request_done(request_number):
-                    yield _tensor(layouts[file_number], destinations[file_number], tensor_number)
+        yield from tensors_as_read(layouts, futures, lambda file, tensor: buffer_tensor(layouts[file], destinations[file], tensor))
 
 
 def _read(cufile: ModuleType, path: str, handle: int, address: int, request: ReadRequest, stop: threading.Event, opts: LoadOptions) -> None:
@@ -91,8 +79,3 @@ def _read(cufile: ModuleType, path: str, handle: int, address: int, request: Rea
 def _op_error(cufile: ModuleType, code: int) -> str:
     known = {error.value: error.name for error in cufile.OpError}
     return f"{code} ({known[code]})" if code in known else str(code)
-
-
-def _tensor(layout: FileLayout, destination: torch.Tensor, tensor_number: int) -> tuple[str, torch.Tensor]:
-    spec, offset = layout.tensor_offsets[tensor_number]
-    return spec.name, view_as(destination, offset, spec)

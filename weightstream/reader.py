@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -22,7 +22,7 @@ from weightstream.memory.devices import check_destination
 from weightstream.memory.host import HostArena, MappedFile
 from weightstream.options import LoadOptions
 from weightstream.plan import FileLayout, LoadPlan, ReadRequest, layout_file
-from weightstream.reading import THREAD_NAME_PREFIX, Waiting, forget_failures, open_checked, read_request
+from weightstream.reading import THREAD_NAME_PREFIX, forget_failures, open_checked, read_request, tensors_as_read
 from weightstream.sources.base import Source, Store
 from weightstream.sources.local import LocalStore
 
@@ -66,19 +66,9 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
             cleanup.callback(prefaulter.shutdown, wait=True, cancel_futures=True)
             _submit_prefaults(prefaulter, layouts, arenas)
         _submit_reads(readers, layouts, sources, arenas, stop, opts, futures)
-        # No loop variable of this frame may hold an arena: a traceback through it would keep the memory.
-        waiting = [Waiting(layout) for layout in layouts]
-        for file_number, tensors in enumerate(waiting):
-            for tensor_number in tensors.ready_without_reads():
-                yield _tensor(layouts[file_number], arenas[file_number], tensor_number)
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                future.result()
-                file_number, request_number = futures.pop(future)
-                for tensor_number in waiting[file_number].request_done(request_number):
-                    yield _tensor(layouts[file_number], arenas[file_number], tensor_number)
+        # No variable of this frame may hold an arena itself (only the list the cleanup empties):
+        # a traceback through it would keep the memory.
+        yield from tensors_as_read(layouts, futures, lambda file, tensor: _tensor(layouts[file], arenas[file], tensor))
 
 
 def _cuda_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
 
+import torch
+
+from weightstream.memory.host import view_as
 from weightstream.options import LoadOptions
 from weightstream.plan import PAGE, FileLayout, FileSpec, ReadRequest, round_up_to_page
 from weightstream.sources.base import Source, Store, check_unchanged
@@ -46,6 +50,41 @@ def forget_failures(futures: Iterable[Future]) -> None:
     for future in futures:
         if future.done() and not future.cancelled() and future.exception() is not None:
             traceback.clear_frames(future.exception().__traceback__)
+
+
+def tensors_as_read(
+    layouts: list[FileLayout],
+    futures: dict[Future, tuple[int, int]],
+    tensor_of: Callable[[int, int], tuple[str, torch.Tensor]],
+    on_result: Callable[[Any], None] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``tensor_of(file number, tensor number)`` for each tensor as its last read completes:
+    empty tensors first, then in completion order.
+
+    ``futures`` maps each submitted read to its (file number, request number); a read's error is
+    raised here. ``on_result`` sees each read's result before the tensors it completes are yielded
+    (the staged reader waits for the read's copy there).
+    """
+    waiting = [Waiting(layout) for layout in layouts]
+    for file_number, tensors in enumerate(waiting):
+        for tensor_number in tensors.ready_without_reads():
+            yield tensor_of(file_number, tensor_number)
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for future in done:
+            result = future.result()
+            if on_result is not None:
+                on_result(result)
+            file_number, request_number = futures.pop(future)
+            for tensor_number in waiting[file_number].request_done(request_number):
+                yield tensor_of(file_number, tensor_number)
+
+
+def buffer_tensor(layout: FileLayout, buffer: torch.Tensor, tensor_number: int) -> tuple[str, torch.Tensor]:
+    """``(name, tensor)`` of tensor ``tensor_number`` of ``layout``, over its file's destination ``buffer``."""
+    spec, offset = layout.tensor_offsets[tensor_number]
+    return spec.name, view_as(buffer, offset, spec)
 
 
 class Waiting:

@@ -14,16 +14,22 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
 
-from weightstream.memory.host import view_as
 from weightstream.memory.ring import CopyEngine, CopyHandle, StagingRing
 from weightstream.options import LoadOptions
-from weightstream.plan import PAGE, FileLayout, LoadPlan, ReadRequest, layout_file
-from weightstream.reading import THREAD_NAME_PREFIX, Waiting, forget_failures, open_checked, read_request
+from weightstream.plan import PAGE, LoadPlan, ReadRequest, layout_file
+from weightstream.reading import (
+    THREAD_NAME_PREFIX,
+    buffer_tensor,
+    forget_failures,
+    open_checked,
+    read_request,
+    tensors_as_read,
+)
 from weightstream.sources.base import Source, Store
 
 
@@ -68,18 +74,9 @@ def read_staged(store: Store, plan: LoadPlan, opts: LoadOptions, staging: Stagin
             for request_number, request in enumerate(layout.requests):
                 task = readers.submit(_stage, source, request, destinations[file_number], ring, stop, opts)
                 futures[task] = (file_number, request_number)
-        waiting = [Waiting(layout) for layout in layouts]
-        for file_number, tensors in enumerate(waiting):
-            for tensor_number in tensors.ready_without_reads():
-                yield _tensor(layouts[file_number], destinations[file_number], tensor_number)
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                ring.wait(future.result())
-                file_number, request_number = futures.pop(future)
-                for tensor_number in waiting[file_number].request_done(request_number):
-                    yield _tensor(layouts[file_number], destinations[file_number], tensor_number)
+        yield from tensors_as_read(
+            layouts, futures, lambda file, tensor: buffer_tensor(layouts[file], destinations[file], tensor), on_result=ring.wait
+        )
 
 
 def _stage(
@@ -103,8 +100,3 @@ def _stage(
     finally:
         if not launched:
             ring.release(slot)
-
-
-def _tensor(layout: FileLayout, destination: torch.Tensor, tensor_number: int) -> tuple[str, torch.Tensor]:
-    spec, offset = layout.tensor_offsets[tensor_number]
-    return spec.name, view_as(destination, offset, spec)
