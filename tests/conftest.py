@@ -98,6 +98,19 @@ def assert_same(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
             ), name
 
 
+def truncating_after_first_read(paths: list[Path]):
+    """A ``progress`` callback that truncates ``paths`` to one page when the first read lands."""
+    truncated = threading.Event()
+
+    def truncate(nbytes: int) -> None:
+        if not truncated.is_set():
+            truncated.set()
+            for path in paths:
+                os.truncate(path, 4096)
+
+    return truncate
+
+
 def snapshot() -> tuple[set[int], set[str]]:
     gc.collect()
     threads = {thread.ident for thread in threading.enumerate()}

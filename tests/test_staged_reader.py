@@ -3,8 +3,6 @@ run with the CPU engine: what the CUDA path does, minus the device."""
 
 from __future__ import annotations
 
-import os
-import threading
 import weakref
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import torch
 
 import weightstream
 from tests.conformance.test_round_trip import every_dtype
-from tests.conftest import assert_same, save_hf_sharded
+from tests.conftest import assert_same, save_hf_sharded, truncating_after_first_read
 from tests.engines import DelayedCheckingEngine
 from weightstream.bench.demo import LlamaShape, llama_state_dict
 from weightstream.memory.ring import CpuStaging
@@ -79,14 +77,7 @@ def test_a_failed_copy_stops_the_load_and_surfaces_once(tmp_path: Path, no_leaks
 def test_file_truncated_during_a_staged_load(tmp_path: Path, no_leaks):
     state = llama_state_dict(LlamaShape(hidden=256, intermediate=704, layers=4, vocab=2000))
     uri = save_hf_sharded(state, tmp_path / "ckpt", shards=2)
-    truncated = threading.Event()
-
-    def truncate_after_first_read(nbytes: int) -> None:
-        if not truncated.is_set():
-            truncated.set()
-            for path in Path(uri).glob("*.safetensors"):
-                os.truncate(path, 4096)
-
+    truncate_after_first_read = truncating_after_first_read(list(Path(uri).glob("*.safetensors")))
     with pytest.raises(weightstream.TruncatedFileError, match=r"file ends at byte \d+, expected bytes up to \d+"):
         staged_load(uri, progress=truncate_after_first_read, **SMALL_RING)
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import threading
 from pathlib import Path
 
 import psutil
@@ -13,6 +11,7 @@ import torch
 
 import weightstream
 from tests.conformance.test_round_trip import CASES
+from tests.conftest import truncating_after_first_read
 from weightstream.bench.demo import LlamaShape, llama_state_dict
 
 MIB = 1 << 20
@@ -34,15 +33,7 @@ def files_of(uri: str) -> list[Path]:
 
 def test_file_truncated_during_load(big_checkpoint, no_leaks):
     name, uri = big_checkpoint
-    victims = files_of(uri)
-    truncated = threading.Event()
-
-    def truncate_after_first_read(nbytes: int) -> None:
-        if not truncated.is_set():
-            truncated.set()
-            for path in victims:
-                os.truncate(path, 4096)
-
+    truncate_after_first_read = truncating_after_first_read(files_of(uri))
     baseline = psutil.Process().memory_info().rss
     with pytest.raises(weightstream.TruncatedFileError, match=r"file ends at byte \d+, expected bytes up to \d+ \(it changed or shrank while loading\)"):
         weightstream.load_weights(uri, format=name, chunk_bytes=MIB, progress=truncate_after_first_read)
@@ -74,15 +65,7 @@ def test_memory_released_after_success(big_checkpoint, no_leaks):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_file_truncated_during_a_gpu_load_frees_device_memory(big_checkpoint, no_leaks):
     name, uri = big_checkpoint
-    victims = files_of(uri)
-    truncated = threading.Event()
-
-    def truncate_after_first_read(nbytes: int) -> None:
-        if not truncated.is_set():
-            truncated.set()
-            for path in victims:
-                os.truncate(path, 4096)
-
+    truncate_after_first_read = truncating_after_first_read(files_of(uri))
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     with pytest.raises(weightstream.TruncatedFileError, match=r"file ends at byte \d+, expected bytes up to \d+"):
