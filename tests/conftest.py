@@ -161,6 +161,13 @@ def gcs_endpoint(tmp_path_factory):
         yield endpoint
 
 
+@pytest.fixture(params=["s3", "gs"])
+def scheme(request) -> str:
+    """Each object store, its server started once per session."""
+    request.getfixturevalue("s3_endpoint" if request.param == "s3" else "gcs_endpoint")
+    return request.param
+
+
 @contextlib.contextmanager
 def _environment(values: dict[str, str]):
     saved = {name: os.environ.get(name) for name in values}

@@ -13,6 +13,7 @@ from weightstream.loaders.base import Loader
 from weightstream.options import LoadOptions
 from weightstream.plan import LoadPlan
 from weightstream.registry import get_loader
+from weightstream.sources import REMOTE_SCHEMES
 
 AUTO = "auto"
 
@@ -20,16 +21,16 @@ AUTO = "auto"
 def resolve_format(uri: str) -> str:
     """The format ``format="auto"`` picks for ``uri``.
 
-    Today every URI resolves to ``"safetensors"``: one ``.safetensors`` file, a
-    directory (or object-store prefix) with ``model.safetensors.index.json``, or one of
-    ``*.safetensors`` files, local or under ``s3://`` / ``gs://``. (Pickle files are
-    refused by the loader.)
+    Object-store URIs (``s3://``, ``gs://``, ``http(s)://``) resolve to ``"streaming"``
+    (bounded memory, completion order), local paths to ``"safetensors"``. Either reads one
+    ``.safetensors`` file, a directory (or prefix) with ``model.safetensors.index.json``, or
+    one of ``*.safetensors`` files. (Pickle files are refused by the loader.)
 
     Example:
-        >>> resolve_format("model.safetensors")
-        'safetensors'
+        >>> resolve_format("model.safetensors"), resolve_format("s3://bucket/llama/")
+        ('safetensors', 'streaming')
     """
-    return "safetensors"
+    return "streaming" if uri.startswith(REMOTE_SCHEMES) else "safetensors"
 
 
 def plan_load(uri: str | os.PathLike[str], format: str = AUTO, **options: Any) -> tuple[Loader, LoadPlan, LoadOptions]:

@@ -22,6 +22,8 @@ ProgressCallback = Callable[[int], None]
 MIB = 1 << 20
 MAX_STAGING_BYTES = 4 << 30
 """Upper bound on ``staging_slots * staging_slot_bytes``: staging is pinned memory."""
+DEFAULT_INFLIGHT_BYTES = 1 << 30
+"""The streaming loader's window when ``max_inflight_bytes`` is not given (raised to the largest tensor)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,12 @@ class LoadOptions:
     deadline_s: float | None = None
     """Object stores: seconds the whole read may take before ``SourceTimeout``. Default ``None``: no deadline."""
 
+    max_inflight_bytes: int | None = None
+    """The ``streaming`` loader: bytes of destination memory it holds at once (tensors being read plus
+    tensors read but not yet yielded; yielded tensors belong to the caller). At least ``chunk_bytes`` and,
+    checked at plan time, the largest selected tensor. Default ``None``: 1 GiB, or the largest selected
+    tensor if that is bigger. Other loaders hold the whole checkpoint and refuse it."""
+
     progress: ProgressCallback | None = None
     """Called from reader threads with each count of bytes read. Default ``None``."""
 
@@ -140,6 +148,14 @@ class LoadOptions:
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise InvalidOptionError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.max_inflight_bytes is not None:
+            if not _is_int(self.max_inflight_bytes) or self.max_inflight_bytes < 1:
+                raise InvalidOptionError(f"max_inflight_bytes must be a positive integer or None, got {self.max_inflight_bytes!r}")
+            if self.max_inflight_bytes < self.chunk_bytes:
+                raise InvalidOptionError(
+                    f"max_inflight_bytes={self.max_inflight_bytes} is less than chunk_bytes={self.chunk_bytes}: "
+                    f"not even one read request would fit"
+                )
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise OptionError(f"storage_options must be a mapping, got {type(self.storage_options).__name__}")
         if self.progress is not None and not callable(self.progress):

@@ -22,7 +22,7 @@ from weightstream.memory.devices import check_destination
 from weightstream.memory.host import HostArena, MappedFile
 from weightstream.options import LoadOptions
 from weightstream.plan import FileLayout, LoadPlan, ReadRequest, layout_file
-from weightstream.reading import THREAD_NAME_PREFIX, forget_failures, open_checked, read_request, tensors_as_read
+from weightstream.reading import THREAD_NAME_PREFIX, forget_failures, open_checked, read_request, tensors_as_read, wants_huge_pages
 from weightstream.sources.base import Source, Store
 from weightstream.sources.local import LocalStore
 
@@ -49,7 +49,7 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
     with contextlib.ExitStack() as cleanup:
         sources = [cleanup.enter_context(open_checked(store, specs[layout.file], opts)) for layout in layouts]
         arenas = [
-            HostArena(layout.buffer_bytes, huge_pages=_huge_pages(source, opts), pinned=pinned)
+            HostArena(layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=pinned)
             for layout, source in zip(layouts, sources, strict=True)
         ]
         # Registered before the executors' shutdown, so it runs after the readers stopped writing.
@@ -127,11 +127,6 @@ def _submit_reads(
     for file_number, (layout, source, arena) in enumerate(zip(layouts, sources, arenas, strict=True)):
         for request_number, request in enumerate(layout.requests):
             futures[readers.submit(_read, source, request, arena.view, stop, opts)] = (file_number, request_number)
-
-
-def _huge_pages(source: Source, opts: LoadOptions) -> bool:
-    """Huge pages pay off for direct reads; recycled 4 KiB pages fault in faster for buffered ones."""
-    return source.direct if opts.huge_pages == "auto" else opts.huge_pages
 
 
 def _read(source: Source, request: ReadRequest, view: memoryview, stop: threading.Event, opts: LoadOptions) -> None:

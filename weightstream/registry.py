@@ -24,6 +24,7 @@ ENTRY_POINT_GROUP = "weightstream.loaders"
 
 BUILTIN_LOADERS: dict[str, str] = {
     "safetensors": "weightstream.loaders.safetensors:SafetensorsLoader",
+    "streaming": "weightstream.loaders.streaming:StreamingLoader",
 }
 """Built-in loaders by dotted path (``module:Class``)."""
 

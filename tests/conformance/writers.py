@@ -26,5 +26,26 @@ def hf_sharded(state: dict[str, torch.Tensor], directory: Path) -> str:
 
 WRITERS: dict[str, list[Writer]] = {
     "safetensors": [single_file, hf_sharded],
+    "streaming": [single_file, hf_sharded],
 }
 """Each loader's checkpoint writers; the conformance suite runs every loader on each of its layouts."""
+
+REFUSED_OPTIONS: dict[str, frozenset[str]] = {
+    "streaming": frozenset({"zero_copy"}),  # it reads into a bounded window of its own memory, not file mappings
+}
+"""Options a loader refuses by design; the conformance suite checks the refusal instead of the load."""
+
+
+def refuses(name: str, options: dict, uri: str) -> bool:
+    """Whether loader ``name`` refuses one of ``options`` (set to a true value); if so, that it does
+    so at call time with an ``InvalidOptionError`` naming the option."""
+    import pytest
+
+    import weightstream
+
+    refused = [option for option in REFUSED_OPTIONS.get(name, ()) if options.get(option)]
+    if not refused:
+        return False
+    with pytest.raises(weightstream.InvalidOptionError, match=refused[0]):
+        weightstream.iter_weights(uri, format=name, **options)
+    return True

@@ -30,16 +30,26 @@ class SafetensorsLoader:
     name: ClassVar[str] = "safetensors"
 
     def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
-        check_destination(opts.device, opts.pin_memory)
-        with contextlib.closing(store_for(uri, opts.storage_options, opts.retry_policy())) as store:
-            if isinstance(store, ObjectStore):
-                _check_remote_options(uri, opts)
-            required = opts.filter if opts.filter is not None and not callable(opts.filter) else ()
-            return read_plan(store, uri, opts.wants, required)
+        if opts.max_inflight_bytes is not None:
+            raise InvalidOptionError(
+                f"max_inflight_bytes: the {self.name} loader holds the whole checkpoint; "
+                f"use format='streaming' for a bounded window"
+            )
+        return plan_checkpoint(uri, opts)
 
     def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         check_destination(opts.device, opts.pin_memory)
         return _read_and_close(store_for(plan.uri, opts.storage_options, opts.retry_policy()), plan, opts)
+
+
+def plan_checkpoint(uri: str, opts: LoadOptions) -> LoadPlan:
+    """The plan of the safetensors checkpoint at ``uri`` (local or an object store), options checked first."""
+    check_destination(opts.device, opts.pin_memory)
+    with contextlib.closing(store_for(uri, opts.storage_options, opts.retry_policy())) as store:
+        if isinstance(store, ObjectStore):
+            _check_remote_options(uri, opts)
+        required = opts.filter if opts.filter is not None and not callable(opts.filter) else ()
+        return read_plan(store, uri, opts.wants, required)
 
 
 def _read_and_close(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:

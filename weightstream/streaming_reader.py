@@ -1,0 +1,180 @@
+"""The streaming reader: concurrent range reads in a bounded window of destination memory,
+tensors yielded in completion order.
+
+The checkpoint is cut into batches: runs of adjacent tensors of up to ``chunk_bytes`` (one
+request), or one larger tensor (several requests into its own buffer). A batch gets its memory
+when it enters the window and leaves the window when its last tensor has been yielded; from then
+on its memory belongs to the caller's tensors alone, so a caller that drops each tensor holds the
+process to ``max_inflight_bytes`` above its baseline. Batches enter in file order while they fit;
+their requests run on ``threads`` reader threads, each landing straight in the batch's memory.
+
+Cleanup follows the host reader: the first failure stops the readers, every source is closed,
+the window's memory is released, and no thread outlives the generator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import torch
+
+from weightstream.errors import InvalidOptionError
+from weightstream.memory.host import HostArena
+from weightstream.options import DEFAULT_INFLIGHT_BYTES, LoadOptions
+from weightstream.plan import PAGE, FileLayout, LoadPlan, TensorSpec, layout_file, round_up_to_page
+from weightstream.reading import THREAD_NAME_PREFIX, Waiting, forget_failures, open_checked, read_request, wants_huge_pages
+from weightstream.sources.base import Source, Store
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Tensors read together into one buffer: ``layout`` places them, ``file`` indexes the plan's open sources."""
+
+    file: int
+    layout: FileLayout
+
+
+def plan_batches(plan: LoadPlan, chunk_bytes: int) -> list[Batch]:
+    """Cut each file's selected tensors into batches, in file order, then offset order.
+
+    Example:
+        >>> specs = [TensorSpec(f"w{i}", torch.uint8, (3000,), "f", 8 + 3000 * i, 3000) for i in range(3)]
+        >>> plan = LoadPlan("f", (), tuple(specs))
+        >>> [[spec.name for spec, _ in batch.layout.tensor_offsets] for batch in plan_batches(plan, 8192)]
+        [['w0', 'w1'], ['w2']]
+    """
+    batches = []
+    for file_number, path in enumerate(dict.fromkeys(spec.file for spec in plan.tensors)):
+        group: list[TensorSpec] = []
+        for spec in plan.tensors_of(path):
+            if group and sum(t.nbytes for t in group) + spec.nbytes > chunk_bytes:
+                batches.append(Batch(file_number, layout_file(group, chunk_bytes)))
+                group = []
+            group.append(spec)
+        if group:
+            batches.append(Batch(file_number, layout_file(group, chunk_bytes)))
+    return batches
+
+
+def window_bytes(plan: LoadPlan, opts: LoadOptions) -> int:
+    """The window this load streams through: ``max_inflight_bytes``, or the default.
+
+    Raises:
+        InvalidOptionError: ``max_inflight_bytes`` cannot hold the largest selected tensor.
+    """
+    largest = max(plan.tensors, key=lambda spec: spec.nbytes, default=None)
+    needed = 0 if largest is None else round_up_to_page(largest.nbytes) + PAGE  # a run may start mid-page
+    if opts.max_inflight_bytes is None:
+        return max(DEFAULT_INFLIGHT_BYTES, needed)
+    if needed > opts.max_inflight_bytes:
+        raise InvalidOptionError(
+            f"max_inflight_bytes={opts.max_inflight_bytes} cannot hold tensor {largest.name!r} of {largest.file} "
+            f"({largest.nbytes} bytes, {needed} with page alignment); raise it or leave it None"
+        )
+    return opts.max_inflight_bytes
+
+
+def read_streaming(store: Store, plan: LoadPlan, opts: LoadOptions, *, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of ``plan`` in completion order, within the window.
+
+    Example:
+        >>> for name, tensor in read_streaming(store, plan, LoadOptions(), pinned=False):  # doctest: +SKIP
+        ...     model[name].copy_(tensor)
+    """
+    window = window_bytes(plan, opts)
+    batches = plan_batches(plan, opts.chunk_bytes)
+    paths = list(dict.fromkeys(spec.file for spec in plan.tensors))
+    specs = {spec.path: spec for spec in plan.files}
+    with contextlib.ExitStack() as cleanup:
+        sources = [cleanup.enter_context(open_checked(store, specs[path], opts)) for path in paths]
+        # Batch number -> its memory, while the batch is in the window. Registered first, so that it
+        # is emptied last, after the readers writing into it have stopped.
+        arenas: dict[int, HostArena] = {}
+        cleanup.callback(arenas.clear)
+        futures: dict[Future, tuple[int, int]] = {}
+        cleanup.callback(forget_failures, futures)
+        stop = threading.Event()
+        readers = ThreadPoolExecutor(max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX)
+        cleanup.callback(readers.shutdown, wait=True, cancel_futures=True)
+        cleanup.callback(stop.set)
+        window_state = _Window(batches, arenas, window)
+        while window_state.admitted < len(batches) or futures:
+            while window_state.fits_next():
+                number = window_state.admitted
+                batch = batches[number]
+                source = sources[batch.file]
+                window_state.admit(HostArena(batch.layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=pinned))
+                for request_number in range(len(batch.layout.requests)):
+                    futures[readers.submit(_read, source, batch, request_number, arenas[number], stop, opts)] = (number, request_number)
+                for tensor_number in window_state.ready_without_reads(number):
+                    named = window_state.take(number, tensor_number)
+                    yield named
+                    del named  # once yielded, the caller's tensor alone keeps the memory
+            done, _ = wait(futures, return_when=FIRST_COMPLETED)
+            for future in done:
+                future.result()
+                number, request_number = futures.pop(future)
+                for tensor_number in window_state.request_done(number, request_number):
+                    named = window_state.take(number, tensor_number)
+                    yield named
+                    del named
+
+
+class _Window:
+    """Which batches hold memory, how much, and which of their tensors are still to be yielded."""
+
+    def __init__(self, batches: list[Batch], arenas: dict[int, HostArena], limit: int) -> None:
+        self.batches = batches
+        self.arenas = arenas
+        self.limit = limit
+        self.held = 0
+        self.admitted = 0
+        self._waiting: dict[int, Waiting] = {}
+        self._unyielded: dict[int, int] = {}
+
+    def fits_next(self) -> bool:
+        """Whether the next batch may enter: it fits beside the others, or the window is empty."""
+        if self.admitted == len(self.batches):
+            return False
+        return self.held == 0 or self.held + self.batches[self.admitted].layout.buffer_bytes <= self.limit
+
+    def admit(self, arena: HostArena) -> None:
+        layout = self.batches[self.admitted].layout
+        self.arenas[self.admitted] = arena
+        self.held += layout.buffer_bytes
+        self._waiting[self.admitted] = Waiting(layout)
+        self._unyielded[self.admitted] = len(layout.tensor_offsets)
+        self.admitted += 1
+
+    def ready_without_reads(self, number: int) -> list[int]:
+        return self._waiting[number].ready_without_reads()
+
+    def request_done(self, number: int, request_number: int) -> list[int]:
+        return self._waiting[number].request_done(request_number)
+
+    def take(self, number: int, tensor_number: int) -> tuple[str, torch.Tensor]:
+        """The tensor, to be yielded; the batch leaves the window with its last tensor."""
+        spec, offset = self.batches[number].layout.tensor_offsets[tensor_number]
+        named = spec.name, self.arenas[number].tensor(offset, spec)
+        self._unyielded[number] -= 1
+        if not self._unyielded[number]:
+            del self._unyielded[number], self._waiting[number], self.arenas[number]
+            self.held -= self.batches[number].layout.buffer_bytes
+        return named
+
+
+def _read(source: Source, batch: Batch, request_number: int, arena: HostArena, stop: threading.Event, opts: LoadOptions) -> None:
+    """Fault the request's pages in on this thread (with ``prefault``), then read into them: an object
+    store's transport writes the bytes from its one event-loop thread, which should not take the faults too."""
+    if stop.is_set():
+        return
+    request = batch.layout.requests[request_number]
+    if opts.prefault:
+        arena.populate(request.dest_offset, request.nbytes)
+    read_request(source, request, arena.view, request.dest_offset)
+    if opts.progress is not None:
+        opts.progress(request.nbytes)
