@@ -1,8 +1,9 @@
 """A fault-injecting TCP proxy on loopback, between a client and a real object-store server.
 
 It watches the client's request lines and, for the first ``times`` requests matching a pattern,
-answers ``503 SlowDown`` itself, resets the connection after ``after_bytes`` of the answer, or
-stops forwarding (a stall). SigV4 signatures survive: requests pass through unchanged.
+answers ``503 SlowDown`` itself, resets the connection after ``after_bytes`` of the answer, closes
+it there (a short body), stops forwarding (a stall), or strips the ``Range`` header so that the
+server answers ``200`` with the whole object. SigV4 signatures survive: requests pass through unchanged.
 It records every request line with its Range header, so tests can see retries and resumptions.
 """
 
@@ -24,7 +25,7 @@ SLOWDOWN = (
 @dataclasses.dataclass
 class Fault:
     pattern: str
-    mode: str  # "503", "reset", "stall"
+    mode: str  # "503", "reset", "short", "stall", "whole"
     times: int
     after_bytes: int = 0
     done: int = 0
@@ -111,6 +112,9 @@ class FaultProxy:
                 client_writer.write(SLOWDOWN)
                 await client_writer.drain()
                 raise ConnectionError("answered 503 SlowDown")
+            if fault is not None and fault.mode == "whole":
+                head = re.sub(rb"(?im)^range:[^\r\n]*\r\n", b"", head)
+                fault = None
             armed["fault"], armed["sent"] = fault, 0
             upstream.write(head + body)
             await upstream.drain()
@@ -130,6 +134,8 @@ class FaultProxy:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     client_writer.transport.abort()
                     raise ConnectionError("reset")
+                if fault.mode == "short":
+                    raise ConnectionError("closed early")  # the connection closes cleanly: a body shorter than announced
                 await asyncio.sleep(3600)  # stall: hold the connection, forward nothing more
             client_writer.write(data)
             armed["sent"] += len(data)

@@ -66,6 +66,20 @@ def test_a_reset_range_resumes_from_the_byte_reached(faulty, no_leaks):
         assert resumed is not None and resumed - broken[0] <= 300_000, (broken, asked)
 
 
+def test_a_short_body_is_resumed(faulty, no_leaks):
+    uri, state, proxy = faulty
+    faults = []
+    loaded = load_through(proxy, uri, lambda: faults.append(proxy.inject(DATA_GET, "short", times=2, after_bytes=300_000)), threads=1)
+    assert_same(loaded, state)
+    assert len(faults[0].hits) == 2
+
+
+def test_a_whole_object_where_a_range_was_asked_is_an_error_not_data(faulty, no_leaks):
+    uri, _, proxy = faulty
+    with pytest.raises(weightstream.SourceError, match=r"model-00001-of-00002.safetensors: range \d+\.\.\d+: answered 200 with the whole object, not 206"):
+        load_through(proxy, uri, lambda: proxy.inject(DATA_GET, "whole", times=1))
+
+
 def span(ranges: str) -> tuple[int, int]:
     start, end = ranges.split("=")[1].split("-")
     return int(start), int(end)

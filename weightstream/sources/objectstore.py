@@ -1,4 +1,5 @@
-"""Objects in S3 and GCS, through fsspec (s3fs, gcsfs).
+"""Objects in S3 and GCS: metadata through fsspec (s3fs, gcsfs), tensor bytes through our own
+range client (:mod:`weightstream.sources.http_range`), straight into destination memory.
 
 Every object is pinned to the version seen when it was opened: S3 ranges are fetched with
 ``If-Match: <ETag>``, GCS ranges from ``#<generation>``. An object replaced mid-load therefore
@@ -14,16 +15,22 @@ the fsspec filesystem as they are.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
-from weightstream.errors import NotFound, SourceChangedError, SourceError, UnsupportedInputError
+from weightstream.errors import NotFound, SourceError, UnsupportedInputError
+from weightstream.sources.http_range import RangeClient
 from weightstream.sources.retry import RetryPolicy, Transient
 
 PROTOCOLS = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}
 """URI scheme -> fsspec protocol."""
 
 INSTALL_HINTS = {"s3": "pip install 'weightstream[s3]'", "gcs": "pip install 'weightstream[gcs]'"}
+
+PRESIGNED_LIFETIME_S = 3600
+"""Presigned S3 URLs are valid this long, and made again after half of it."""
 
 
 def filesystem(protocol: str, storage_options: Mapping[str, Any] | None) -> Any:
@@ -63,6 +70,9 @@ class ObjectStore:
         self.protocol = PROTOCOLS[scheme]
         self.policy = policy or RetryPolicy()
         self.fs = filesystem(self.protocol, storage_options)
+        self.ranges = RangeClient(self.policy)
+        self._presigned: dict[str, tuple[str, float]] = {}
+        self._presigning = threading.Lock()
 
     def is_dir(self, uri: str) -> bool:
         return self._call(uri, self.fs.isdir, self._key(uri))
@@ -84,10 +94,26 @@ class ObjectStore:
             raise NotFound(f"{uri}: is a prefix, not an object")
         return ObjectSource(self, uri, int(info["size"]), _version(self.protocol, info))
 
+    def range_target(self, source: ObjectSource) -> tuple[str, Mapping[str, str]]:
+        """S3: a presigned URL with ``If-Match: <ETag>``; GCS: the download URL of the generation."""
+        if self.protocol == "s3":
+            return self._presigned_url(source.uri), {"If-Match": source.version}
+        return self.fs.url(self._key(source.uri), generation=source.version), self.fs._get_headers({})
+
+    def _presigned_url(self, uri: str) -> str:
+        """A presigned GET URL for ``uri``, made again once half its lifetime has passed."""
+        with self._presigning:
+            url, made = self._presigned.get(uri, ("", -PRESIGNED_LIFETIME_S))
+            if time.monotonic() - made > PRESIGNED_LIFETIME_S / 2:
+                url = self._call(uri, self.fs.url, self._key(uri), expires=PRESIGNED_LIFETIME_S)
+                self._presigned[uri] = (url, time.monotonic())
+            return url
+
     def close(self) -> None:
-        """Close this store's HTTP sessions (their pooled connections); idempotent."""
+        """Close this store's connections (range requests and the fsspec session); idempotent."""
         from fsspec.asyn import sync
 
+        self.ranges.close()
         session = getattr(self.fs, "_s3", None) if self.protocol == "s3" else getattr(self.fs, "_session", None)
         if session is None:
             return
@@ -126,7 +152,7 @@ class ObjectSource:
 
     direct = False
 
-    def __init__(self, store: ObjectStore, uri: str, size: int, version: str) -> None:
+    def __init__(self, store: RangeStore, uri: str, size: int, version: str) -> None:
         self.store = store
         self.uri = uri
         self.size = size
@@ -142,8 +168,6 @@ class ObjectSource:
 
         Transient failures are retried with backoff; a broken range resumes from the byte reached.
         """
-        from fsspec.asyn import sync
-
         nbytes = len(buffer)
         span = f"{self.uri}: range {offset}..{offset + nbytes}"
         if offset + nbytes > self.size:
@@ -151,105 +175,26 @@ class ObjectSource:
         policy, received, attempt = self.store.policy, [0], 1
         while received[0] < nbytes:
             policy.check_deadline(span)
+            url, headers = self.store.range_target(self)
             try:
-                sync(self.store.fs.loop, self._stream, offset, buffer, received, span)
+                self.store.ranges.get_into(url, headers, offset, buffer, received, span)
             except Transient as failure:
                 attempt += 1
                 policy.wait_before(attempt, span, failure)
 
-    async def _stream(self, offset: int, buffer: memoryview, received: list[int], span: str) -> None:
-        """One request for the bytes not yet received; ``received[0]`` advances as chunks land."""
-        start = offset + received[0]
-        end = offset + len(buffer)  # exclusive
-        if self.store.protocol == "s3":
-            await _s3_stream(self.store, self.uri, start, end, self.version, buffer, received, span)
-        else:
-            await _gcs_stream(self.store, self.uri, start, end, self.version, buffer, received, span)
-
     def close(self) -> None:
-        """Nothing to release: connections belong to the store's session."""
+        """Nothing to release: connections belong to the store."""
 
 
-CHUNK = 1 << 20
+class RangeStore(Protocol):
+    """What an :class:`ObjectSource` needs of its store: the retry policy, the connections, and
+    the URL and headers that fetch ranges of one object at its pinned version."""
 
+    policy: RetryPolicy
+    ranges: RangeClient
 
-async def _drain(read: Any, buffer: memoryview, received: list[int], wanted: int, policy: RetryPolicy, span: str) -> None:
-    """Copy chunks from ``read(n)`` into ``buffer`` until ``wanted`` bytes have arrived in all."""
-    import asyncio
-
-    while received[0] < wanted:
-        try:
-            chunk = await asyncio.wait_for(read(min(CHUNK, wanted - received[0])), policy.timeout())
-        except asyncio.TimeoutError:
-            raise Transient(f"no byte for {policy.timeout():.1f} s after {received[0]} of {wanted} bytes (stalled)", stalled=True) from None
-        except Exception as error:  # noqa: BLE001 - resets and protocol errors surface as many types (aiohttp, botocore)
-            raise Transient(f"connection broke after {received[0]} of {wanted} bytes: {type(error).__name__}: {error}") from None
-        if not chunk:
-            raise Transient(f"short body: the answer ended after {received[0]} of {wanted} bytes")
-        buffer[received[0] : received[0] + len(chunk)] = chunk
-        received[0] += len(chunk)
-
-
-async def _s3_stream(store: ObjectStore, uri: str, start: int, end: int, etag: str, buffer: memoryview, received: list[int], span: str) -> None:
-    import asyncio
-
-    bucket, _, name = store._key(uri).partition("/")
-    try:
-        answer = await asyncio.wait_for(
-            store.fs._call_s3("get_object", Bucket=bucket, Key=name, Range=f"bytes={start}-{end - 1}", IfMatch=etag),
-            store.policy.timeout(),
-        )
-    except asyncio.TimeoutError:
-        raise Transient(f"no answer for {store.policy.timeout():.1f} s (stalled)", stalled=True) from None
-    except FileNotFoundError:
-        raise SourceChangedError(f"{span}: the object was deleted while loading") from None
-    except PermissionError as error:
-        raise SourceError(f"{span}: access denied: {error}") from None
-    except OSError as error:
-        code = getattr(error.__cause__, "response", {}).get("Error", {}).get("Code")
-        if code == "PreconditionFailed":
-            raise SourceChangedError(f"{span}: ETag {etag} no longer matches (the object was replaced while loading)") from None
-        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket"):
-            raise SourceError(f"{span}: {code}: {error}") from None
-        raise Transient(f"{code or type(error).__name__}: {error}") from None
-    except Exception as error:  # noqa: BLE001 - botocore/aiohttp connection and protocol errors: worth a retry
-        raise Transient(f"{type(error).__name__}: {error}") from None
-    expected = f"bytes {start}-{end - 1}/"
-    async with answer["Body"] as body:
-        if not str(answer.get("ContentRange", "")).startswith(expected):
-            raise SourceError(f"{span}: answered {answer.get('ContentRange') or 'without a Content-Range (200, not 206)'}, expected {expected}...")
-        await _drain(body.read, buffer, received, len(buffer), store.policy, span)
-
-
-async def _gcs_stream(store: ObjectStore, uri: str, start: int, end: int, generation: str, buffer: memoryview, received: list[int], span: str) -> None:
-    import asyncio
-
-    import aiohttp
-
-    fs = store.fs
-    url = fs.url(store._key(uri), generation=generation)
-    headers = fs._get_headers({"Range": f"bytes={start}-{end - 1}"})
-    session = await fs._set_session()
-    try:
-        response = await asyncio.wait_for(session.get(url, headers=headers), store.policy.timeout())
-    except asyncio.TimeoutError:
-        raise Transient(f"no answer for {store.policy.timeout():.1f} s (stalled)", stalled=True) from None
-    except (aiohttp.ClientError, OSError) as error:
-        raise Transient(f"{type(error).__name__}: {error}") from None
-    async with response:
-        if response.status == 404:
-            raise SourceChangedError(f"{span}: generation {generation} is gone (the object was replaced or deleted while loading)")
-        if response.status in (401, 403):
-            raise SourceError(f"{span}: access denied ({response.status})")
-        if response.status == 429 or response.status >= 500:
-            raise Transient(f"HTTP {response.status}")
-        expected = f"bytes {start}-{end - 1}/"
-        if response.status != 206 or not response.headers.get("Content-Range", "").startswith(expected):
-            raise SourceError(
-                f"{span}: answered HTTP {response.status} {response.headers.get('Content-Range') or 'without a Content-Range'}, "
-                f"expected 206 {expected}..."
-            )
-        await _drain(response.content.read, buffer, received, len(buffer), store.policy, span)
+    def range_target(self, source: ObjectSource) -> tuple[str, Mapping[str, str]]:
+        """The URL and headers of a range request for ``source`` (without the ``Range`` header)."""
 
 
 def _version(protocol: str, info: dict) -> str:

@@ -1,0 +1,178 @@
+"""Range GETs over keep-alive HTTP/1.1 connections, read straight into destination memory.
+
+The transport under every object store: S3 (a presigned URL per object), GCS (the object's
+download URL at one generation) and plain ``http(s)://``. Each reader thread keeps one
+connection per origin; the body of an answer is read with ``readinto`` into the caller's
+buffer, so no intermediate ``bytes`` object is made and the socket reads release the GIL.
+Measured against aiobotocore through fsspec (one event-loop thread copying every chunk) it
+is what lets a load approach the server's rate; see ``benchmarks/README.md``.
+
+A request either fills its whole buffer or raises: :class:`Transient` for what deserves
+another attempt (5xx, 429, a reset or stalled connection, a short body), with
+``received[0]`` telling how far the bytes got, so the caller resumes from there; a typed
+:class:`SourceError` for what does not (access denied, a missing or changed object, an
+answer that is not the range asked for).
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import ssl
+import threading
+import urllib.parse
+from collections.abc import Mapping
+
+from weightstream.errors import SourceChangedError, SourceError, WeightstreamError
+from weightstream.sources.retry import RetryPolicy, Transient
+
+ERROR_BODY_BYTES = 2048
+"""How much of an error answer's body is kept for the message."""
+PIECE_BYTES = 256 << 10
+"""A body is read this much at a time: a broken answer loses at most the piece being read
+(a buffered read that fails keeps no count of what it got), and resumes after the last whole piece."""
+
+
+class RangeClient:
+    """HTTP connections for one load: one per reader thread and origin, all closed by :meth:`close`.
+
+    Example:
+        >>> client = RangeClient(RetryPolicy())
+        >>> client.close()
+    """
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._open: set[http.client.HTTPConnection] = set()
+        self._closed = False
+        self._tls: ssl.SSLContext | None = None
+
+    def get_into(self, url: str, headers: Mapping[str, str], start: int, buffer: memoryview, received: list[int], span: str) -> None:
+        """GET bytes ``start + received[0]`` .. ``start + len(buffer)`` of ``url`` into ``buffer[received[0]:]``.
+
+        ``received[0]`` advances as bytes land. Raises :class:`Transient` for a failure worth another
+        attempt (the connection is dropped), :class:`SourceError` (or a subclass) otherwise.
+        """
+        first, last = start + received[0], start + len(buffer) - 1
+        parts = urllib.parse.urlsplit(url)
+        connection = self._connection(parts)
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        try:
+            connection.timeout = self.policy.timeout()
+            if connection.sock is not None:
+                connection.sock.settimeout(connection.timeout)
+            connection.request("GET", target, headers={**headers, "Range": f"bytes={first}-{last}"})
+            response = connection.getresponse()
+            if response.status != 206:
+                raise _refusal(response, span, first, last)
+            expected = f"bytes {first}-{last}/"
+            content_range = response.getheader("Content-Range", "")
+            if not content_range.startswith(expected):
+                raise SourceError(f"{span}: answered 206 with Content-Range {content_range or '(none)'}, expected {expected}...")
+            _read_body(response, buffer, received)
+        except (WeightstreamError, Transient):
+            self._drop(connection)  # the rest of the answer is unread
+            raise
+        except (TimeoutError, socket.timeout):
+            self._drop(connection)
+            raise Transient(f"no byte for {connection.timeout:.1f} s after {received[0]} of {len(buffer)} bytes (stalled)", stalled=True) from None
+        except (OSError, http.client.HTTPException) as error:
+            self._drop(connection)
+            raise Transient(f"connection broke after {received[0]} of {len(buffer)} bytes: {type(error).__name__}: {error}") from None
+        except BaseException:
+            self._drop(connection)
+            raise
+
+    def head(self, url: str, headers: Mapping[str, str], span: str) -> http.client.HTTPResponse:
+        """A HEAD request's answer (status and headers; no body), for ``http(s)://`` metadata."""
+        parts = urllib.parse.urlsplit(url)
+        connection = self._connection(parts)
+        try:
+            connection.timeout = self.policy.timeout()
+            if connection.sock is not None:
+                connection.sock.settimeout(connection.timeout)
+            connection.request("HEAD", parts.path + (f"?{parts.query}" if parts.query else ""), headers=dict(headers))
+            response = connection.getresponse()
+            response.read()
+            return response
+        except (TimeoutError, socket.timeout):
+            self._drop(connection)
+            raise Transient(f"no answer for {connection.timeout:.1f} s (stalled)", stalled=True) from None
+        except (OSError, http.client.HTTPException) as error:
+            self._drop(connection)
+            raise Transient(f"{type(error).__name__}: {error}") from None
+
+    def close(self) -> None:
+        """Close every connection of this client; idempotent. Requests after it raise."""
+        with self._lock:
+            self._closed = True
+            connections, self._open = self._open, set()
+        for connection in connections:
+            connection.close()
+
+    def _connection(self, parts: urllib.parse.SplitResult) -> http.client.HTTPConnection:
+        origin = (parts.scheme, parts.hostname, parts.port)
+        connections = getattr(self._local, "connections", None)
+        if connections is None:
+            connections = self._local.connections = {}
+        connection = connections.get(origin)
+        if connection is not None and connection in self._open:
+            return connection
+        if parts.scheme == "https":
+            if self._tls is None:
+                self._tls = ssl.create_default_context()
+            connection = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=self.policy.timeout(), context=self._tls)
+        elif parts.scheme == "http":
+            connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.policy.timeout())
+        else:
+            raise SourceError(f"{parts.geturl()}: unsupported URL scheme {parts.scheme!r} for a range read")
+        with self._lock:
+            if self._closed:
+                raise SourceError(f"{parts.geturl()}: the load's connections are closed")
+            self._open.add(connection)
+        connections[origin] = connection
+        return connection
+
+    def _drop(self, connection: http.client.HTTPConnection) -> None:
+        """Close a connection whose state is unknown (a broken or unread answer); the next request opens another."""
+        with self._lock:
+            self._open.discard(connection)
+        connection.close()
+
+
+def _read_body(response: http.client.HTTPResponse, buffer: memoryview, received: list[int]) -> None:
+    while received[0] < len(buffer):
+        count = response.readinto(buffer[received[0] : received[0] + PIECE_BYTES])
+        if not count:
+            raise Transient(f"short body: the answer ended after {received[0]} of {len(buffer)} bytes")
+        received[0] += count
+    if response.read(1):
+        raise SourceError("the answer carried more bytes than its range")
+
+
+def _refusal(response: http.client.HTTPResponse, span: str, first: int, last: int) -> Exception:
+    """The error for a non-206 answer, its body read (so the message can quote the store's code)."""
+    status = response.status
+    body = response.read(ERROR_BODY_BYTES).decode("utf-8", "replace") if status != 200 else ""
+    code = _error_code(body)
+    said = f"HTTP {status}{f' {code}' if code else ''}"
+    if status == 200:
+        return SourceError(f"{span}: answered 200 with the whole object, not 206 with bytes {first}-{last} (the server ignored the range)")
+    if status == 412:
+        return SourceChangedError(f"{span}: {said}: the object no longer matches the version planned (replaced while loading)")
+    if status == 404:
+        return SourceChangedError(f"{span}: {said}: the object at the version planned is gone (deleted or replaced while loading)")
+    if status in (401, 403):
+        return SourceError(f"{span}: access denied ({said})")
+    if status in (408, 429) or status >= 500:
+        return Transient(said)
+    return SourceError(f"{span}: {said}: {body[:300]}")
+
+
+def _error_code(body: str) -> str:
+    """The ``<Code>`` of an S3 error document, if the body is one."""
+    start = body.find("<Code>")
+    end = body.find("</Code>", start)
+    return body[start + len("<Code>") : end] if start >= 0 and end > start else ""
