@@ -153,12 +153,27 @@ def _fd_target(fd: str) -> str | None:
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory):
-    """A real S3 server (SeaweedFS) for the session, reached through the standard AWS variables."""
+def seaweed(tmp_path_factory):
+    """A real SeaweedFS for the session: (S3 endpoint, HTTP URL of its filer's view of the bucket),
+    the S3 endpoint reached through the standard AWS variables."""
     from tests.objstore import KEYS, seaweedfs
 
-    with seaweedfs(tmp_path_factory.mktemp("s3")) as endpoint, _environment({**KEYS, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"}):
-        yield endpoint
+    with seaweedfs(tmp_path_factory.mktemp("s3")) as (endpoint, filer), _environment(
+        {**KEYS, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"}
+    ):
+        yield endpoint, filer
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(seaweed):
+    """A real S3 server (SeaweedFS) for the session."""
+    return seaweed[0]
+
+
+@pytest.fixture(scope="session")
+def http_base(seaweed):
+    """The bucket of the S3 server, served over plain HTTP by SeaweedFS's filer."""
+    return seaweed[1]
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,8 @@ class Fault:
     mode: str  # "503", "reset", "short", "stall", "whole"
     times: int
     after_bytes: int = 0
+    min_range_bytes: int = 0
+    """Only requests whose Range spans at least this many bytes (so a cut after K bytes falls in the body)."""
     done: int = 0
     hits: list = dataclasses.field(default_factory=list)
     """The Range headers of the requests it hit."""
@@ -58,8 +60,8 @@ class FaultProxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def inject(self, pattern: str, mode: str, times: int = 1, after_bytes: int = 0) -> Fault:
-        fault = Fault(pattern, mode, times, after_bytes)
+    def inject(self, pattern: str, mode: str, times: int = 1, after_bytes: int = 0, min_range_bytes: int = 0) -> Fault:
+        fault = Fault(pattern, mode, times, after_bytes, min_range_bytes)
         with self._lock:
             self._faults.append(fault)
         return fault
@@ -144,8 +146,14 @@ class FaultProxy:
     def _match(self, line: str, ranges: str | None) -> Fault | None:
         with self._lock:
             for fault in self._faults:
-                if fault.done < fault.times and re.search(fault.pattern, line):
+                if fault.done < fault.times and re.search(fault.pattern, line) and _span(ranges) >= fault.min_range_bytes:
                     fault.done += 1
                     fault.hits.append(ranges)
                     return fault
         return None
+
+
+def _span(ranges: str | None) -> int:
+    """Bytes a ``Range: bytes=a-b`` header asks for (0 without one)."""
+    match = re.fullmatch(r"bytes=(\d+)-(\d+)", ranges or "")
+    return int(match.group(2)) - int(match.group(1)) + 1 if match else 0

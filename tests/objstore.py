@@ -58,21 +58,23 @@ def _weed() -> str:
 
 
 @contextlib.contextmanager
-def seaweedfs(directory: Path) -> Iterator[str]:
-    """An S3 endpoint with bucket ``bench``; yields its URL. Only one can run per machine (fixed side ports)."""
-    port = free_port()
+def seaweedfs(directory: Path) -> Iterator[tuple[str, str]]:
+    """An S3 endpoint with bucket ``bench``; yields its URL and the URL under which its filer serves
+    the bucket over plain HTTP (ranges, ETags, ``If-Match``). Only one can run per machine (fixed side ports)."""
+    port, filer_port = free_port(), free_port()
     log = directory / "weed.log"
     command = [
-        _weed(), "mini", f"-dir={directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-        "-webdav=false", "-admin.ui=false", f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={BUCKET}",
+        _weed(), f"-logdir={directory}", "mini", f"-dir={directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+        "-webdav=false", "-admin.ui=false", f"-s3.port={port}", f"-filer.port={filer_port}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={BUCKET}",
     ]
     with open(log, "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ, **KEYS})
+        # TMPDIR: its unix sockets go to the test directory, not /tmp.
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ, **KEYS, "TMPDIR": str(directory)})
     try:
         endpoint = f"http://127.0.0.1:{port}"
         _wait_for(endpoint + "/", process, log)
         _wait_for_bucket(endpoint, process, log)
-        yield endpoint
+        yield endpoint, f"http://127.0.0.1:{filer_port}/buckets/{BUCKET}"
     finally:
         _stop(process)
 

@@ -17,25 +17,30 @@ from weightstream.bench.demo import LlamaShape, llama_state_dict
 
 pytestmark = pytest.mark.slow
 
+MIB = 1 << 20
 SHAPE = LlamaShape(hidden=256, intermediate=704, layers=2, vocab=2000)  # shards of about 1.5 MiB
-DATA_GET = r"^GET (/download/storage/v1/b/bench/o/|/bench/).*model-00001-of-00002"
-"""Range GETs of the first shard's bytes (S3 paths, GCS download URLs; not GCS metadata GETs)."""
+DATA_GET = r"^GET (/download/storage/v1/b/bench/o/|/bench/|/buckets/bench/).*model-00001-of-00002"
+"""Range GETs of the first shard's bytes (S3 paths, GCS download URLs, the HTTP filer; not GCS metadata GETs)."""
 
 
-@pytest.fixture(params=["s3", "gs"])
+@pytest.fixture(params=["s3", "gs", "http"])
 def faulty(request, tmp_path_factory):
-    """(uri, state, proxy) for a checkpoint behind a fault proxy, per object store."""
+    """(uri, state, proxy) for a checkpoint behind a fault proxy, per object store (and plain HTTP)."""
     scheme = request.param
-    endpoint = request.getfixturevalue("s3_endpoint" if scheme == "s3" else "gcs_endpoint")
+    endpoint = request.getfixturevalue("gcs_endpoint" if scheme == "gs" else "s3_endpoint")
     state = llama_state_dict(SHAPE, seed=3)
-    uri = upload(scheme, save_hf_sharded(state, tmp_path_factory.mktemp("faults") / "ckpt", shards=2), f"faults-{scheme}")
-    with FaultProxy(int(endpoint.rsplit(":", 1)[1])) as proxy:
+    uri = upload("s3" if scheme == "http" else scheme, save_hf_sharded(state, tmp_path_factory.mktemp("faults") / "ckpt", shards=2), f"faults-{scheme}")
+    upstream = request.getfixturevalue("http_base") if scheme == "http" else endpoint
+    with FaultProxy(int(upstream.split(":")[2].split("/")[0])) as proxy:
+        if scheme == "http":
+            uri = f"{proxy.url}/buckets/bench/faults-http"
         yield uri, state, proxy
 
 
 def load_through(proxy: FaultProxy, uri: str, inject=None, **options) -> dict:
     """Plan through the proxy, then inject the faults (so they hit tensor data), then read."""
-    options = {"storage_options": {"endpoint_url": proxy.url}, "chunk_bytes": 1 << 20, "threads": 2, **options}
+    through = {} if uri.startswith("http") else {"storage_options": {"endpoint_url": proxy.url}}
+    options = {**through, "chunk_bytes": 1 << 20, "threads": 2, **options}
     stream = weightstream.iter_weights(uri, **options)
     if inject is not None:
         inject()
@@ -56,7 +61,7 @@ def test_slowdown_answers_are_retried(faulty, no_leaks):
 def test_a_reset_range_resumes_from_the_byte_reached(faulty, no_leaks):
     uri, state, proxy = faulty
     faults = []
-    loaded = load_through(proxy, uri, lambda: faults.append(proxy.inject(DATA_GET, "reset", times=2, after_bytes=300_000)), threads=1)
+    loaded = load_through(proxy, uri, lambda: faults.append(proxy.inject(DATA_GET, "reset", times=2, after_bytes=300_000, min_range_bytes=MIB // 2)), threads=1)
     assert_same(loaded, state)
     asked = [span(ranges) for _, ranges in data_gets(proxy) if ranges]
     assert len(faults[0].hits) == 2
@@ -69,7 +74,7 @@ def test_a_reset_range_resumes_from_the_byte_reached(faulty, no_leaks):
 def test_a_short_body_is_resumed(faulty, no_leaks):
     uri, state, proxy = faulty
     faults = []
-    loaded = load_through(proxy, uri, lambda: faults.append(proxy.inject(DATA_GET, "short", times=2, after_bytes=300_000)), threads=1)
+    loaded = load_through(proxy, uri, lambda: faults.append(proxy.inject(DATA_GET, "short", times=2, after_bytes=300_000, min_range_bytes=MIB // 2)), threads=1)
     assert_same(loaded, state)
     assert len(faults[0].hits) == 2
 
@@ -88,8 +93,13 @@ def span(ranges: str) -> tuple[int, int]:
 def test_a_stalled_range_is_retried_after_the_request_timeout(faulty, no_leaks):
     uri, state, proxy = faulty
     start = time.monotonic()
-    loaded = load_through(proxy, uri, lambda: proxy.inject(DATA_GET, "stall", times=1, after_bytes=100_000), request_timeout_s=1.0)
+    faults = []
+    loaded = load_through(
+        proxy, uri, lambda: faults.append(proxy.inject(DATA_GET, "stall", times=1, after_bytes=100_000, min_range_bytes=MIB // 2)),
+        request_timeout_s=1.0,
+    )
     assert_same(loaded, state)
+    assert len(faults[0].hits) == 1
     assert time.monotonic() - start >= 1.0
 
 
@@ -110,7 +120,7 @@ def test_the_deadline_ends_a_stalled_load(faulty, no_leaks):
 def test_bad_credentials_are_not_retried(s3_endpoint, faulty, no_leaks):
     uri, _, proxy = faulty
     if not uri.startswith("s3://"):
-        pytest.skip("the GCS emulator does not check credentials")
+        pytest.skip("the GCS emulator and the HTTP filer do not check credentials")
     before = len(proxy.requests)
     with pytest.raises(weightstream.SourceError, match=r"access denied|AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId"):
         weightstream.load_weights(uri, storage_options={"endpoint_url": proxy.url, "key": "testing", "secret": "wrong"})

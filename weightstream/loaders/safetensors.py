@@ -15,7 +15,7 @@ from weightstream.options import LoadOptions
 from weightstream.plan import LoadPlan
 from weightstream.reader import read_tensors
 from weightstream.sources import Store, store_for
-from weightstream.sources.objectstore import ObjectStore
+from weightstream.sources.local import LocalStore
 
 
 class SafetensorsLoader:
@@ -46,7 +46,7 @@ def plan_checkpoint(uri: str, opts: LoadOptions) -> LoadPlan:
     """The plan of the safetensors checkpoint at ``uri`` (local or an object store), options checked first."""
     check_destination(opts.device, opts.pin_memory)
     with contextlib.closing(store_for(uri, opts.storage_options, opts.retry_policy())) as store:
-        if isinstance(store, ObjectStore):
+        if not isinstance(store, LocalStore):
             _check_remote_options(uri, opts)
         required = opts.filter if opts.filter is not None and not callable(opts.filter) else ()
         return read_plan(store, uri, opts.wants, required)

@@ -7,6 +7,7 @@ from typing import Any
 
 from weightstream.errors import UnsupportedInputError
 from weightstream.sources.base import Source, Store
+from weightstream.sources.http import HttpStore
 from weightstream.sources.local import LocalStore
 from weightstream.sources.objectstore import PROTOCOLS, ObjectStore
 from weightstream.sources.retry import RetryPolicy
@@ -24,9 +25,11 @@ def store_for(uri: str, storage_options: Mapping[str, Any] | None = None, policy
         >>> type(store_for("/tmp")).__name__
         'LocalStore'
     """
+    if uri.startswith(("http://", "https://")):
+        return HttpStore(storage_options, policy)
     if uri.startswith(REMOTE_SCHEMES):
         scheme = uri.split("://", 1)[0]
         if scheme not in PROTOCOLS:
-            raise UnsupportedInputError(f"{uri}: {scheme}:// URIs are not supported by this version of weightstream; use s3://, gs:// or a local path")
+            raise UnsupportedInputError(f"{uri}: {scheme}:// URIs are not supported; use s3://, gs://, http(s):// or a local path")
         return ObjectStore(scheme, storage_options, policy)
     return LocalStore()

@@ -1,0 +1,124 @@
+"""Checkpoints served over plain ``http://`` and ``https://``.
+
+Metadata comes from ``HEAD`` answers, bytes from range GETs through the same client as the
+object stores. Every file is pinned to the version its ``HEAD`` showed: a strong ``ETag``
+(sent back as ``If-Match``) or, without one, ``Last-Modified`` (``If-Unmodified-Since``); a
+server that gives neither cannot be read consistently and is refused. HTTP has no directory
+listing, so a directory URL must hold ``model.safetensors.index.json``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import urllib.parse
+from collections.abc import Mapping
+from typing import Any
+
+from weightstream.errors import InvalidOptionError, NotFound, SourceError
+from weightstream.formats.index import INDEX_NAME
+from weightstream.sources.http_range import RangeClient
+from weightstream.sources.objectstore import ObjectSource
+from weightstream.sources.retry import RetryPolicy, Transient
+
+FILE_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+"""A URL whose last segment ends so names a file; any other URL names a directory."""
+MAX_REDIRECTS = 5
+LAST_MODIFIED = "last-modified "
+"""Prefix of a version that is a ``Last-Modified`` date rather than an ETag."""
+
+
+class HttpStore:
+    """Opens files under ``http(s)://`` URLs; ``storage_options`` may hold ``headers`` (e.g. ``Authorization``).
+
+    Example:
+        >>> store = HttpStore({"headers": {"Authorization": "Bearer ..."}})
+        >>> store.is_dir("https://example.com/llama/"), store.is_dir("https://example.com/llama/model.safetensors")
+        (True, False)
+        >>> store.close()
+    """
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> None:
+        options = dict(storage_options or {})
+        unknown = sorted(set(options) - {"headers"})
+        if unknown:
+            raise InvalidOptionError(f"storage_options for http(s):// take only 'headers', got {', '.join(unknown)}")
+        self.headers: dict[str, str] = dict(options.get("headers") or {})
+        self.policy = policy or RetryPolicy()
+        self.ranges = RangeClient(self.policy)
+        self._locations: dict[str, str] = {}
+        """URI -> where its redirects led (ranges go there)."""
+
+    def is_dir(self, uri: str) -> bool:
+        return not uri.rstrip("/").endswith(FILE_SUFFIXES) or uri.endswith("/")
+
+    def exists(self, uri: str) -> bool:
+        """Files: whether ``HEAD`` finds them. Directories always "exist": :meth:`list_names` says what they hold."""
+        return self.is_dir(uri) or self._head(uri, missing_ok=True) is not None
+
+    def list_names(self, uri: str) -> list[str]:
+        if self._head(self.join(uri, INDEX_NAME), missing_ok=True) is None:
+            raise NotFound(
+                f"{uri}: no {INDEX_NAME} at this URL; HTTP has no directory listing, so name a .safetensors file "
+                f"or a directory that holds an index"
+            )
+        return [INDEX_NAME]
+
+    def join(self, directory: str, name: str) -> str:
+        return directory.rstrip("/") + "/" + name
+
+    def open(self, uri: str, *, direct: bool | str = False) -> ObjectSource:
+        """Open ``uri`` at the version its ``HEAD`` shows (``direct`` has no meaning here and is ignored)."""
+        answer = self._head(uri)
+        length = answer.getheader("Content-Length")
+        if length is None or not length.isdigit():
+            raise SourceError(f"{uri}: the server gave no Content-Length, so the file's size is unknown")
+        etag = answer.getheader("ETag")
+        modified = answer.getheader("Last-Modified")
+        if etag and not etag.startswith("W/"):
+            version = etag
+        elif modified:
+            version = LAST_MODIFIED + modified
+        else:
+            raise SourceError(f"{uri}: the server gave neither a strong ETag nor Last-Modified, so reads cannot be pinned to one version")
+        return ObjectSource(self, uri, int(length), version)
+
+    def range_target(self, source: ObjectSource) -> tuple[str, Mapping[str, str]]:
+        location = self._locations.get(source.uri, source.uri)
+        if source.version.startswith(LAST_MODIFIED):
+            return location, {**self.headers, "If-Unmodified-Since": source.version[len(LAST_MODIFIED) :]}
+        return location, {**self.headers, "If-Match": source.version}
+
+    def close(self) -> None:
+        self.ranges.close()
+
+    def _head(self, uri: str, missing_ok: bool = False) -> http.client.HTTPResponse | None:
+        """The ``HEAD`` answer for ``uri`` after redirects (retried like ranges), or None if missing and ``missing_ok``."""
+        attempt, location, redirects = 1, uri, 0
+        while True:
+            self.policy.check_deadline(uri)
+            try:
+                answer = self.ranges.head(location, self.headers, uri)
+            except Transient as failure:
+                attempt += 1
+                self.policy.wait_before(attempt, uri, failure)
+                continue
+            if answer.status in (301, 302, 303, 307, 308) and answer.getheader("Location"):
+                redirects += 1
+                if redirects > MAX_REDIRECTS:
+                    raise SourceError(f"{uri}: more than {MAX_REDIRECTS} redirects")
+                location = urllib.parse.urljoin(location, answer.getheader("Location"))
+                continue
+            if answer.status == 200:
+                self._locations[uri] = location
+                return answer
+            if answer.status == 404 and missing_ok:
+                return None
+            if answer.status == 404:
+                raise NotFound(f"{uri}: HTTP 404, no such file")
+            if answer.status in (401, 403):
+                raise SourceError(f"{uri}: access denied (HTTP {answer.status})")
+            if answer.status in (408, 429) or answer.status >= 500:
+                attempt += 1
+                self.policy.wait_before(attempt, uri, Transient(f"HTTP {answer.status}"))
+                continue
+            raise SourceError(f"{uri}: HEAD answered HTTP {answer.status} {answer.reason}")
