@@ -68,8 +68,7 @@ def seaweedfs(directory: Path) -> Iterator[tuple[str, str]]:
         "-webdav=false", "-admin.ui=false", f"-s3.port={port}", f"-filer.port={filer_port}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={BUCKET}",
     ]
     with open(log, "wb") as output:
-        # TMPDIR: its unix sockets go to the test directory, not /tmp.
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ, **KEYS, "TMPDIR": str(directory)})
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ, **KEYS})
     try:
         endpoint = f"http://127.0.0.1:{port}"
         _wait_for(endpoint + "/", process, log)
@@ -77,6 +76,9 @@ def seaweedfs(directory: Path) -> Iterator[tuple[str, str]]:
         yield endpoint, f"http://127.0.0.1:{filer_port}/buckets/{BUCKET}"
     finally:
         _stop(process)
+        for port_number in (port, filer_port):  # weed puts these unix sockets in /tmp whatever TMPDIR says
+            for socket_file in Path("/tmp").glob(f"seaweedfs-*-{port_number}.sock"):
+                socket_file.unlink(missing_ok=True)
 
 
 def _wait_for_bucket(endpoint: str, process: subprocess.Popen, log: Path) -> None:

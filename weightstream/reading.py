@@ -21,8 +21,11 @@ THREAD_NAME_PREFIX = "weightstream-read"
 
 @contextlib.contextmanager
 def open_checked(store: Store, spec: FileSpec, opts: LoadOptions) -> Iterator[Source]:
-    """Open ``spec``'s file for this load's reads, checking it still has the size and version the plan was made from."""
-    source = store.open(spec.path, direct=opts.direct_io)
+    """Open ``spec``'s file for this load's reads, checking it still has the size the plan was made from.
+
+    A versioned object is opened at its planned version without asking the store again: its reads are
+    pinned to that version, so a replaced object fails at its first read instead."""
+    source = store.open(spec.path, direct=opts.direct_io) if spec.version is None else store.open_pinned(spec.path, spec.size, spec.version)
     try:
         check_unchanged(spec.path, spec.size, source.size, spec.version, source.version)
         yield source

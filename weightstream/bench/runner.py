@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -17,12 +18,16 @@ import sys
 from collections.abc import Callable, Sequence
 
 from weightstream.bench.methods import METHODS_BY_DEVICE, missing_module
+from weightstream.bench.remote_methods import REMOTE_METHODS, remote_skip_reason
+from weightstream.bench.worker import REMOTE, file_sizes
 from weightstream.errors import BenchmarkError, DeviceUnavailableError, InvalidOptionError
 from weightstream.formats.checkpoint import find_files
 from weightstream.memory.devices import cuda_available
-from weightstream.sources import pagecache, store_for
+from weightstream.sources import REMOTE_SCHEMES, pagecache, store_for
 
 CACHES = ("cold", "warm")
+SERVER_CACHE = "server"
+"""The cache state of runs against an object store: whatever the server's own caches hold."""
 COLD_RESIDENCY = 0.02
 WARM_RESIDENCY = 0.98
 WORKER_TIMEOUT_S = 900
@@ -104,27 +109,35 @@ def run_bench(
         DeviceUnavailableError: ``device="cuda"`` on a machine without CUDA.
     """
     check_device(device)
-    known = METHODS_BY_DEVICE[device]
+    remote = uri.startswith(REMOTE_SCHEMES)
+    if remote and device != "cpu":
+        raise InvalidOptionError(f"bench of an object-store checkpoint lands tensors on the CPU; --device {device} is for local files")
+    known = REMOTE_METHODS if remote else METHODS_BY_DEVICE[device]
     methods = list(known) if methods is None else list(methods)
-    unknown = [m for m in methods if m not in known] + [c for c in caches if c not in CACHES]
+    if remote:
+        caches = (SERVER_CACHE,)  # the server's page cache is its own; the worker does not control it
+    unknown = [m for m in methods if m not in known] + [c for c in caches if c not in (*CACHES, SERVER_CACHE)]
     if unknown:
         raise InvalidOptionError(f"unknown method or cache {unknown}; {device} methods: {', '.join(known)}; caches: {', '.join(CACHES)}")
     if rounds < 1:
         raise InvalidOptionError(f"rounds must be at least 1, got {rounds}")
-    files = list(find_files(store_for(uri), uri).files)
-    rows = {(m, c): Row(m, c, device, skipped=_why_skipped(m, device)) for c in caches for m in methods}
+    with contextlib.closing(store_for(uri)) as store:
+        files = list(find_files(store, uri).files)
+    worker_device = REMOTE if remote else device
+    rows = {(m, c): Row(m, c, device, skipped=remote_skip_reason(m, uri) if remote else _why_skipped(m, device)) for c in caches for m in methods}
     for round_number in range(rounds):
         for cache in caches:
             for method in methods:
                 row = rows[(method, cache)]
                 if row.skipped:
                     continue
-                _prepare(files, cache)
-                row.runs.append(_run_worker(device, method, uri, files))
+                if not remote:
+                    _prepare(files, cache)
+                row.runs.append(_run_worker(worker_device, method, uri, files))
                 if on_run is not None:
                     run = row.runs[-1]
                     on_run(f"round {round_number + 1}/{rounds} {cache:4s} {method:24s} {run['bytes'] / run['seconds'] / 1e9:6.2f} GB/s")
-    return BenchReport(uri, files, sum(os.path.getsize(f) for f in files), rounds, list(rows.values()), _machine(device), device)
+    return BenchReport(uri, files, sum(file_sizes(uri, files)), rounds, list(rows.values()), _machine(device), device)
 
 
 def check_device(device: str) -> None:

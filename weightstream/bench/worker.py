@@ -19,9 +19,12 @@ import time
 import torch
 
 from weightstream.bench.methods import METHODS_BY_DEVICE
+from weightstream.bench.remote_methods import REMOTE_METHODS
 from weightstream.memory import pinning
 
 PAGE = 4096
+REMOTE = "remote"
+"""The worker's "device" for checkpoints in object stores (tensors land on the CPU)."""
 
 
 def touch(tensor: torch.Tensor) -> int:
@@ -33,7 +36,8 @@ def touch(tensor: torch.Tensor) -> int:
 
 
 def measure(device: str, method: str, uri: str, files: list[str]) -> dict[str, object]:
-    generator = METHODS_BY_DEVICE[device][method][0]
+    """Run ``method`` once; ``device`` is ``cpu``, ``cuda``, or ``remote`` (a checkpoint in an object store, to the CPU)."""
+    generator = REMOTE_METHODS[method].load if device == REMOTE else METHODS_BY_DEVICE[device][method][0]
     on_gpu = device == "cuda"
     sampler = DeviceMemorySampler() if on_gpu else None
     baseline = _rss()
@@ -53,7 +57,7 @@ def measure(device: str, method: str, uri: str, files: list[str]) -> dict[str, o
         "device": device,
         "seconds": seconds,
         "first_tensor_seconds": first,
-        "bytes": sum(os.path.getsize(path) for path in files),
+        "bytes": sum(file_sizes(uri, files)),
         "tensors": len(kept),
         "baseline_rss": baseline,
         "peak_rss": _peak_rss(),
@@ -62,6 +66,18 @@ def measure(device: str, method: str, uri: str, files: list[str]) -> dict[str, o
         result["peak_device_bytes"] = sampler.stop()
         result["peak_pinned_bytes"] = torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0) + pinning.registered_bytes()[1]
     return result
+
+
+def file_sizes(uri: str, files: list[str]) -> list[int]:
+    """Each file's size: from the filesystem, or from the object store the URI names."""
+    import contextlib
+
+    from weightstream.sources import REMOTE_SCHEMES, store_for
+
+    if not uri.startswith(REMOTE_SCHEMES):
+        return [os.path.getsize(path) for path in files]
+    with contextlib.closing(store_for(uri)) as store:
+        return [store.open(path).size for path in files]
 
 
 class DeviceMemorySampler:

@@ -14,7 +14,8 @@ from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.plan import LoadPlan
 from weightstream.reader import read_tensors
-from weightstream.sources import Store, store_for
+from weightstream.loaders.stores import PlannedStores
+from weightstream.sources import Store
 from weightstream.sources.local import LocalStore
 
 
@@ -29,27 +30,29 @@ class SafetensorsLoader:
 
     name: ClassVar[str] = "safetensors"
 
+    def __init__(self) -> None:
+        self._stores = PlannedStores()
+
     def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
         if opts.max_inflight_bytes is not None:
             raise InvalidOptionError(
                 f"max_inflight_bytes: the {self.name} loader holds the whole checkpoint; "
                 f"use format='streaming' for a bounded window"
             )
-        return plan_checkpoint(uri, opts)
+        check_destination(opts.device, opts.pin_memory)
+        return self._stores.plan(uri, opts, lambda store: plan_checkpoint(store, uri, opts))
 
     def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         check_destination(opts.device, opts.pin_memory)
-        return _read_and_close(store_for(plan.uri, opts.storage_options, opts.retry_policy()), plan, opts)
+        return _read_and_close(self._stores.take(plan, opts), plan, opts)
 
 
-def plan_checkpoint(uri: str, opts: LoadOptions) -> LoadPlan:
-    """The plan of the safetensors checkpoint at ``uri`` (local or an object store), options checked first."""
-    check_destination(opts.device, opts.pin_memory)
-    with contextlib.closing(store_for(uri, opts.storage_options, opts.retry_policy())) as store:
-        if not isinstance(store, LocalStore):
-            _check_remote_options(uri, opts)
-        required = opts.filter if opts.filter is not None and not callable(opts.filter) else ()
-        return read_plan(store, uri, opts.wants, required)
+def plan_checkpoint(store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
+    """The plan of the safetensors checkpoint at ``uri`` in ``store`` (local or remote), options checked first."""
+    if not isinstance(store, LocalStore):
+        _check_remote_options(uri, opts)
+    required = opts.filter if opts.filter is not None and not callable(opts.filter) else ()
+    return read_plan(store, uri, opts.wants, required)
 
 
 def _read_and_close(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,7 +13,8 @@ from weightstream.loaders.safetensors import plan_checkpoint
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.plan import LoadPlan
-from weightstream.sources import store_for
+from weightstream.loaders.stores import PlannedStores
+from weightstream.sources import Store
 from weightstream.streaming_reader import read_streaming, window_bytes
 
 
@@ -28,25 +29,33 @@ class StreamingLoader:
 
     name: ClassVar[str] = "streaming"
 
+    def __init__(self) -> None:
+        self._stores = PlannedStores()
+
     def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
         if opts.zero_copy:
             raise InvalidOptionError("zero_copy maps whole files: the streaming loader reads into memory of its own")
-        plan = plan_checkpoint(uri, opts)
-        window = window_bytes(plan, opts)
-        staging = opts.staging_slots * opts.staging_slot_bytes
-        if torch.device(opts.device).type == "cuda" and staging > window:
-            raise InvalidOptionError(
-                f"staging_slots x staging_slot_bytes = {staging} bytes of pinned staging exceed max_inflight_bytes={window}"
-            )
-        return plan
+        check_destination(opts.device, opts.pin_memory)
+        return self._stores.plan(uri, opts, lambda store: _fits_window(plan_checkpoint(store, uri, opts), opts))
 
     def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         pinned = check_destination(opts.device, opts.pin_memory)
-        return _stream_and_close(plan, opts, pinned)
+        return _stream_and_close(self._stores.take(plan, opts), plan, opts, pinned)
 
 
-def _stream_and_close(plan: LoadPlan, opts: LoadOptions, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    with contextlib.closing(store_for(plan.uri, opts.storage_options, opts.retry_policy())) as store:
+def _fits_window(plan: LoadPlan, opts: LoadOptions) -> LoadPlan:
+    """``plan``, once its largest tensor and (on a GPU) the staging ring are known to fit the window."""
+    window = window_bytes(plan, opts)
+    staging = opts.staging_slots * opts.staging_slot_bytes
+    if torch.device(opts.device).type == "cuda" and staging > window:
+        raise InvalidOptionError(
+            f"staging_slots x staging_slot_bytes = {staging} bytes of pinned staging exceed max_inflight_bytes={window}"
+        )
+    return plan
+
+
+def _stream_and_close(store: Store, plan: LoadPlan, opts: LoadOptions, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    with contextlib.closing(store):
         if torch.device(opts.device).type == "cuda":
             from weightstream.memory.cuda import CudaStaging
             from weightstream.staged_reader import read_staged

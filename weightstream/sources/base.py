@@ -47,6 +47,10 @@ class Store(Protocol):
     def open(self, uri: str, *, direct: bool | str = False) -> Source:
         """Open ``uri`` for reading; ``direct`` is ``True``, ``False`` or ``"auto"`` (see ``LoadOptions.direct_io``)."""
 
+    def open_pinned(self, uri: str, size: int, version: str) -> Source:
+        """Stores whose objects have versions: ``uri`` at ``version`` without asking the store again; every
+        read is pinned to it, so a replaced object fails its first read (:class:`SourceChangedError`)."""
+
     def close(self) -> None:
         """Release connections the store holds; idempotent."""
 

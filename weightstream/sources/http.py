@@ -82,6 +82,9 @@ class HttpStore:
             raise SourceError(f"{uri}: the server gave neither a strong ETag nor Last-Modified, so reads cannot be pinned to one version")
         return ObjectSource(self, uri, int(length), version)
 
+    def open_pinned(self, uri: str, size: int, version: str) -> ObjectSource:
+        return ObjectSource(self, uri, size, version)
+
     def range_target(self, source: ObjectSource) -> tuple[str, Mapping[str, str]]:
         location = self._locations.get(source.uri, source.uri)
         if source.version.startswith(LAST_MODIFIED):

@@ -94,6 +94,9 @@ class ObjectStore:
             raise NotFound(f"{uri}: is a prefix, not an object")
         return ObjectSource(self, uri, int(info["size"]), _version(self.protocol, info))
 
+    def open_pinned(self, uri: str, size: int, version: str) -> ObjectSource:
+        return ObjectSource(self, uri, size, version)
+
     def range_target(self, source: ObjectSource) -> tuple[str, Mapping[str, str]]:
         """S3: a presigned URL with ``If-Match: <ETag>``; GCS: the download URL of the generation."""
         if self.protocol == "s3":

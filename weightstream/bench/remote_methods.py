@@ -1,0 +1,200 @@
+"""What ``weightstream bench s3://...`` (or ``gs://``, ``http(s)://``) compares, each a generator of
+``(name, tensor)`` over the same objects, run in a fresh process with the endpoint and keys in
+the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ..., ``STORAGE_EMULATOR_HOST``).
+
+The ``limit-*`` methods are not loaders: they read every byte and keep none (each answer goes
+into one reused buffer), so they measure what the server and the connection give, not what
+landing the bytes in fresh memory costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from weightstream.bench.methods import Method, weightstream_with
+
+LIMIT_RANGE_BYTES = 64 << 20
+"""Range size of the concurrent ``limit-*`` readers (the size the team's server survey used)."""
+LIMIT_THREADS = 16
+PIECE = 8 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteMethod:
+    """A remote benchmark method: its generator, the module it needs, and the URI schemes it reads."""
+
+    load: Method
+    module: str | None
+    schemes: tuple[str, ...] = ("s3", "gs", "http", "https")
+
+
+def weightstream_dropping(**options: object) -> Method:
+    """weightstream.iter_weights with a consumer that touches every page of each tensor, then drops it:
+    the run's peak RSS is then the streaming window, not the checkpoint."""
+
+    def load(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        import weightstream
+        from weightstream.bench.worker import touch
+
+        for _, tensor in weightstream.iter_weights(uri, **options):
+            touch(tensor)
+        yield from ()
+
+    return load
+
+
+def runai_streamer(concurrency: int | None) -> Method:
+    """runai-model-streamer's SafetensorsStreamer from the object store (``concurrency`` None: its default)."""
+
+    def load(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        if concurrency is not None:
+            os.environ["RUNAI_STREAMER_CONCURRENCY"] = str(concurrency)
+        os.environ.setdefault("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0")  # path-style, as local servers want
+        os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+        from runai_model_streamer import SafetensorsStreamer
+
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files(files)
+            yield from streamer.get_tensors()
+
+    return load
+
+
+def fsspec_sequential(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Plain fsspec (s3fs, gcsfs): open each object and read it whole into fresh memory, 64 MiB blocks."""
+    import fsspec.core
+
+    fs, _ = fsspec.core.url_to_fs(files[0])
+    for path in files:
+        with fs.open(path, "rb", block_size=64 << 20) as file:
+            buffer = bytearray(file.size)
+            file.readinto(buffer)
+        yield path, torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def limit_boto3_get(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The server: one plain boto3 GET per object, its body read in 8 MiB pieces and dropped."""
+    import boto3
+
+    client = boto3.client("s3")
+    for path in files:
+        bucket, key = path.split("://", 1)[1].split("/", 1)
+        body = client.get_object(Bucket=bucket, Key=key)["Body"]
+        while body.read(PIECE):
+            pass
+    yield from ()
+
+
+def limit_boto3_ranges(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The server: 16 concurrent boto3 range GETs of 64 MiB, bodies read in 8 MiB pieces and dropped."""
+    import boto3
+    import botocore.config
+
+    client = boto3.client("s3", config=botocore.config.Config(max_pool_connections=LIMIT_THREADS))
+
+    def get(job: tuple[str, str, int, int]) -> None:
+        bucket, key, start, end = job
+        body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
+        while body.read(PIECE):
+            pass
+
+    jobs = []
+    for path in files:
+        bucket, key = path.split("://", 1)[1].split("/", 1)
+        size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+        jobs += [(bucket, key, start, min(size, start + LIMIT_RANGE_BYTES)) for start in range(0, size, LIMIT_RANGE_BYTES)]
+    with ThreadPoolExecutor(LIMIT_THREADS) as pool:
+        list(pool.map(get, jobs))
+    yield from ()
+
+
+def limit_transport(threads: int, range_bytes: int) -> Method:
+    """Our range client alone: ``threads`` concurrent range GETs into one reused buffer per thread."""
+
+    def load(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        import contextlib
+
+        from weightstream.sources import store_for
+
+        local = threading.local()
+        with contextlib.closing(store_for(uri)) as store:
+            sources = [store.open(path) for path in files]
+
+            def get(job: tuple[int, int, int]) -> None:
+                number, start, end = job
+                if getattr(local, "buffer", None) is None:
+                    local.buffer = memoryview(bytearray(range_bytes))
+                sources[number].read_into(start, local.buffer[: end - start])
+
+            jobs = [(n, s, min(src.size, s + range_bytes)) for n, src in enumerate(sources) for s in range(0, src.size, range_bytes)]
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(get, jobs))
+        yield from ()
+
+    return load
+
+
+def limit_obstore_ranges(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """obstore (Rust, object_store) as the transport: 16 concurrent async range GETs of 64 MiB, dropped."""
+    import asyncio
+
+    import obstore
+    from obstore.store import from_url
+
+    bucket_url = "/".join(uri.split("/", 3)[:3])
+    store = from_url(bucket_url, client_options={"allow_http": True})
+
+    async def fetch() -> None:
+        limit = asyncio.Semaphore(LIMIT_THREADS)
+
+        async def get(key: str, start: int, end: int) -> None:
+            async with limit:
+                await obstore.get_range_async(store, key, start=start, end=end)
+
+        jobs = []
+        for path in files:
+            key = path.split("/", 3)[3]
+            size = (await obstore.head_async(store, key))["size"]
+            jobs += [get(key, start, min(size, start + LIMIT_RANGE_BYTES)) for start in range(0, size, LIMIT_RANGE_BYTES)]
+        await asyncio.gather(*jobs)
+
+    asyncio.run(fetch())
+    yield from ()
+
+
+REMOTE_METHODS: dict[str, RemoteMethod] = {
+    "weightstream": RemoteMethod(weightstream_with(), None),
+    "weightstream-16-threads": RemoteMethod(weightstream_with(threads=16), None),
+    "weightstream-32mib-requests": RemoteMethod(weightstream_with(chunk_bytes=32 << 20), None),
+    "weightstream-safetensors": RemoteMethod(weightstream_with(format="safetensors"), None),
+    "weightstream-256mib-dropped": RemoteMethod(weightstream_dropping(max_inflight_bytes=256 << 20), None),
+    "runai-model-streamer": RemoteMethod(runai_streamer(None), "runai_model_streamer", ("s3", "gs")),
+    "runai-model-streamer-c16": RemoteMethod(runai_streamer(16), "runai_model_streamer", ("s3", "gs")),
+    "runai-model-streamer-c32": RemoteMethod(runai_streamer(32), "runai_model_streamer", ("s3", "gs")),
+    "fsspec-sequential": RemoteMethod(fsspec_sequential, "fsspec"),
+    "limit-boto3-get": RemoteMethod(limit_boto3_get, "boto3", ("s3",)),
+    "limit-boto3-16-ranges": RemoteMethod(limit_boto3_ranges, "boto3", ("s3",)),
+    "limit-transport-16-ranges": RemoteMethod(limit_transport(LIMIT_THREADS, LIMIT_RANGE_BYTES), None),
+    "limit-obstore-16-ranges": RemoteMethod(limit_obstore_ranges, "obstore", ("s3",)),
+}
+"""Name -> method, for checkpoints in object stores (and over HTTP)."""
+
+
+def remote_skip_reason(method: str, uri: str) -> str | None:
+    """Why ``method`` cannot run on ``uri`` here (a module missing, a scheme it does not read), or None."""
+    import importlib.util
+
+    entry = REMOTE_METHODS[method]
+    scheme = uri.split("://", 1)[0]
+    if scheme not in entry.schemes:
+        return f"does not read {scheme}:// URIs"
+    if entry.module is not None and importlib.util.find_spec(entry.module) is None:
+        return f"{entry.module} is not installed"
+    return None
+
