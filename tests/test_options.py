@@ -12,14 +12,17 @@ from weightstream.errors import InvalidOptionError, OptionError
 
 def test_defaults():
     opts = LoadOptions()
-    assert (opts.device, opts.chunk_bytes, opts.filter, opts.huge_pages, opts.direct_io) == ("cpu", 8 << 20, None, "auto", "auto")
+    assert (opts.device, opts.chunk_bytes, opts.filter, opts.huge_pages, opts.direct_io) == ("cpu", None, None, "auto", "auto")
+    assert opts.request_bytes("/models/llama") == 8 << 20
+    assert opts.request_bytes("s3://bucket/llama") == opts.request_bytes("https://host/llama/") == 64 << 20
+    assert LoadOptions(chunk_bytes=1 << 20).request_bytes("gs://bucket/llama") == 1 << 20
     assert opts.reader_threads >= 8
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"threads": 0}, InvalidOptionError, r"threads must be a positive integer or None, got 0"),
     ({"threads": True}, InvalidOptionError, r"threads must be a positive integer or None, got True"),
-    ({"chunk_bytes": 100}, InvalidOptionError, r"chunk_bytes must be a positive multiple of 4096, got 100"),
+    ({"chunk_bytes": 100}, InvalidOptionError, r"chunk_bytes must be a positive multiple of 4096 or None, got 100"),
     ({"device": "tpu:9"}, InvalidOptionError, r"device 'tpu:9' is not a device torch knows"),
     ({"device": 0}, OptionError, r"device must be a string such as 'cpu' or 'cuda:0', got int"),
     ({"filter": "lm_head.weight"}, OptionError, r"filter must be a collection of names or a predicate, not a single str"),
@@ -31,7 +34,7 @@ def test_defaults():
     ({"pin_memory": "always"}, InvalidOptionError, r"pin_memory must be True, False or 'auto', got 'always'"),
     ({"direct_io": 1}, InvalidOptionError, r"direct_io must be True, False or 'auto', got 1"),
     ({"direct_io": "yes"}, InvalidOptionError, r"direct_io must be True, False or 'auto', got 'yes'"),
-    ({"chunk_bytes": 6000}, InvalidOptionError, r"chunk_bytes must be a positive multiple of 4096, got 6000"),
+    ({"chunk_bytes": 6000}, InvalidOptionError, r"chunk_bytes must be a positive multiple of 4096 or None, got 6000"),
     ({"progress": 5}, OptionError, r"progress must be callable, got int"),
     ({"staging_slots": 0}, InvalidOptionError, r"staging_slots must be a positive integer, got 0"),
     ({"staging_slot_bytes": 5000}, InvalidOptionError, r"staging_slot_bytes must be a multiple of 4096, got 5000"),
@@ -42,7 +45,7 @@ def test_defaults():
     ({"pin_memory": True, "zero_copy": True}, InvalidOptionError, r"zero_copy .* or in pinned memory"),
     ({"max_inflight_bytes": 0}, InvalidOptionError, r"max_inflight_bytes must be a positive integer or None, got 0"),
     ({"max_inflight_bytes": 1.5e9}, InvalidOptionError, r"max_inflight_bytes must be a positive integer or None, got 1500000000.0"),
-    ({"max_inflight_bytes": 1 << 20}, InvalidOptionError,
+    ({"max_inflight_bytes": 1 << 20, "chunk_bytes": 8 << 20}, InvalidOptionError,
      r"max_inflight_bytes=1048576 is less than chunk_bytes=8388608: not even one read request would fit"),
 ])
 def test_bad_values(kwargs, error, message):

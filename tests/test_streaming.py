@@ -84,6 +84,12 @@ def test_a_window_too_small_for_the_largest_tensor_is_refused_before_reading(tmp
         weightstream.iter_weights(uri, format="streaming", chunk_bytes=MIB, max_inflight_bytes=2 * MIB)
 
 
+def test_a_window_smaller_than_the_default_request_is_refused(tmp_path: Path, no_leaks):
+    uri = str(save_hf_sharded(llama_state_dict(SHAPE, seed=7), tmp_path / "ckpt", shards=1))
+    with pytest.raises(weightstream.InvalidOptionError, match=r"max_inflight_bytes=4194304 is less than one read request of .*ckpt \(8388608 bytes"):
+        weightstream.iter_weights(uri, format="streaming", max_inflight_bytes=4 * MIB)
+
+
 def test_the_safetensors_loader_refuses_a_window(tmp_path: Path, tiny_state, no_leaks):
     uri = str(save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=1))
     with pytest.raises(weightstream.InvalidOptionError, match=r"max_inflight_bytes: the safetensors loader holds the whole checkpoint"):

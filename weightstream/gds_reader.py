@@ -32,7 +32,7 @@ def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator
         >>> for name, tensor in read_gds(plan, LoadOptions(device="cuda", gds=True), CudaStaging("cuda")):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
-    layouts = [layout_file(plan.tensors_of(spec.path), opts.chunk_bytes) for spec in plan.files]
+    layouts = [layout_file(plan.tensors_of(spec.path), opts.request_bytes(plan.uri)) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
     sizes = {spec.path: spec.size for spec in plan.files}
     with contextlib.ExitStack() as cleanup:

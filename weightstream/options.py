@@ -22,6 +22,8 @@ ProgressCallback = Callable[[int], None]
 MIB = 1 << 20
 MAX_STAGING_BYTES = 4 << 30
 """Upper bound on ``staging_slots * staging_slot_bytes``: staging is pinned memory."""
+LOCAL_CHUNK_BYTES = 8 * MIB
+REMOTE_CHUNK_BYTES = 64 * MIB
 DEFAULT_INFLIGHT_BYTES = 1 << 30
 """The streaming loader's window when ``max_inflight_bytes`` is not given (raised to the largest tensor)."""
 
@@ -54,15 +56,17 @@ class LoadOptions:
 
     staging_slot_bytes: int = 8 * MIB
     """CUDA destinations: bytes per staging slot (a multiple of 4096). Reads through the ring are at
-    most ``min(chunk_bytes, staging_slot_bytes)``. Default 8 MiB, the default ``chunk_bytes``
+    most ``min(chunk_bytes, staging_slot_bytes)``. Default 8 MiB, the default ``chunk_bytes`` of local files
     (128 MiB of pinned staging in all). ``staging_slots * staging_slot_bytes`` may not exceed 4 GiB."""
 
     threads: int | None = None
     """Reader threads. Default ``None``: twice the number of CPUs, at least 8 (a cold direct read
     wants many requests in flight; threads waiting on the disk leave the CPU to the others)."""
 
-    chunk_bytes: int = 8 * MIB
-    """Largest single read request, in bytes. Default 8 MiB."""
+    chunk_bytes: int | None = None
+    """Largest single read request, in bytes (a multiple of 4096). Default ``None``: 8 MiB for local files,
+    64 MiB for object stores and HTTP, where each request costs a round trip and server work (measured in
+    ``benchmarks/README.md``)."""
 
     filter: TensorFilter | None = None
     """Only these tensors (names or a predicate). Default ``None``: all of them."""
@@ -115,8 +119,8 @@ class LoadOptions:
         _check_device(self.device)
         if self.threads is not None and (not _is_int(self.threads) or self.threads < 1):
             raise InvalidOptionError(f"threads must be a positive integer or None, got {self.threads!r}")
-        if not _is_int(self.chunk_bytes) or self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
-            raise InvalidOptionError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes!r}")
+        if self.chunk_bytes is not None and (not _is_int(self.chunk_bytes) or self.chunk_bytes < 4096 or self.chunk_bytes % 4096):
+            raise InvalidOptionError(f"chunk_bytes must be a positive multiple of 4096 or None, got {self.chunk_bytes!r}")
         for name in ("staging_slots", "staging_slot_bytes"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise InvalidOptionError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -151,7 +155,7 @@ class LoadOptions:
         if self.max_inflight_bytes is not None:
             if not _is_int(self.max_inflight_bytes) or self.max_inflight_bytes < 1:
                 raise InvalidOptionError(f"max_inflight_bytes must be a positive integer or None, got {self.max_inflight_bytes!r}")
-            if self.max_inflight_bytes < self.chunk_bytes:
+            if self.chunk_bytes is not None and self.max_inflight_bytes < self.chunk_bytes:
                 raise InvalidOptionError(
                     f"max_inflight_bytes={self.max_inflight_bytes} is less than chunk_bytes={self.chunk_bytes}: "
                     f"not even one read request would fit"
@@ -176,6 +180,19 @@ class LoadOptions:
         if unknown:
             raise OptionError(f"unknown option(s) {', '.join(unknown)}; known options: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+    def request_bytes(self, uri: str) -> int:
+        """The largest read request for the checkpoint at ``uri``: ``chunk_bytes``, or its default there.
+
+        Example:
+            >>> LoadOptions().request_bytes("/models/llama") >> 20, LoadOptions().request_bytes("s3://b/llama") >> 20
+            (8, 64)
+        """
+        from weightstream.sources import REMOTE_SCHEMES
+
+        if self.chunk_bytes is not None:
+            return self.chunk_bytes
+        return REMOTE_CHUNK_BYTES if uri.startswith(REMOTE_SCHEMES) else LOCAL_CHUNK_BYTES
 
     @property
     def reader_threads(self) -> int:

@@ -43,7 +43,7 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
         yield from _cuda_tensors(store, plan, opts)
         return
     pinned = check_destination(opts.device, opts.pin_memory)
-    layouts = [layout_file(plan.tensors_of(spec.path), opts.chunk_bytes) for spec in plan.files]
+    layouts = [layout_file(plan.tensors_of(spec.path), opts.request_bytes(plan.uri)) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
     specs = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:

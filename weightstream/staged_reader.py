@@ -53,7 +53,7 @@ def read_staged(store: Store, plan: LoadPlan, opts: LoadOptions, staging: Stagin
         >>> for name, tensor in read_staged(LocalStore(), plan, opts, CudaStaging("cuda:0")):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
-    chunk_bytes = min(opts.chunk_bytes, opts.staging_slot_bytes)
+    chunk_bytes = min(opts.request_bytes(plan.uri), opts.staging_slot_bytes)
     layouts = [layout_file(plan.tensors_of(spec.path), chunk_bytes) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
     specs = {spec.path: spec for spec in plan.files}

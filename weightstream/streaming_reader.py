@@ -64,12 +64,17 @@ def window_bytes(plan: LoadPlan, opts: LoadOptions) -> int:
     """The window this load streams through: ``max_inflight_bytes``, or the default.
 
     Raises:
-        InvalidOptionError: ``max_inflight_bytes`` cannot hold the largest selected tensor.
+        InvalidOptionError: ``max_inflight_bytes`` cannot hold one read request or the largest selected tensor.
     """
     largest = max(plan.tensors, key=lambda spec: spec.nbytes, default=None)
     needed = 0 if largest is None else round_up_to_page(largest.nbytes) + PAGE  # a run may start mid-page
     if opts.max_inflight_bytes is None:
         return max(DEFAULT_INFLIGHT_BYTES, needed)
+    if opts.max_inflight_bytes < opts.request_bytes(plan.uri):
+        raise InvalidOptionError(
+            f"max_inflight_bytes={opts.max_inflight_bytes} is less than one read request of {plan.uri} "
+            f"({opts.request_bytes(plan.uri)} bytes, chunk_bytes); lower chunk_bytes or raise the window"
+        )
     if needed > opts.max_inflight_bytes:
         raise InvalidOptionError(
             f"max_inflight_bytes={opts.max_inflight_bytes} cannot hold tensor {largest.name!r} of {largest.file} "
@@ -86,7 +91,7 @@ def read_streaming(store: Store, plan: LoadPlan, opts: LoadOptions, *, pinned: b
         ...     model[name].copy_(tensor)
     """
     window = window_bytes(plan, opts)
-    batches = plan_batches(plan, opts.chunk_bytes)
+    batches = plan_batches(plan, opts.request_bytes(plan.uri))
     paths = list(dict.fromkeys(spec.file for spec in plan.tensors))
     specs = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
