@@ -51,6 +51,13 @@ def test_load_json(checkpoint: Path, tiny_state):
     assert report["gbps"] > 0 and report["format"] == "safetensors"
 
 
+def test_load_streaming_in_a_window(checkpoint: Path, tiny_state):
+    result = cli("load", str(checkpoint), "--json", "--format", "streaming", "--chunk-mib", "1", "--max-inflight-mib", "2")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["format"], report["tensors"]) == ("streaming", len(tiny_state))
+
+
 def test_load_filter(checkpoint: Path):
     result = cli("load", str(checkpoint), "--json", "--filter", "lm_head.weight", "model.norm.weight")
     assert result.returncode == 0, result.stderr
@@ -79,6 +86,23 @@ def test_bench_builds_the_demo_and_compares(tmp_path: Path):
     assert set(report["ratios"]["cold"]) == {"safetensors.load_file", "limit-read-reused"}
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "cache" / "demo-llama-1l-2s" / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_an_object_store(s3_endpoint, checkpoint: Path, tmp_path: Path):
+    from tests.test_objectstore import upload
+
+    uri = upload("s3", checkpoint, "cli-bench")
+    methods = ("weightstream", "limit-transport-8-ranges", "limit-obstore-16-ranges", "fsspec-sequential")
+    result = cli("bench", uri, "--rounds", "1", "--methods", ",".join(methods), "--json", "--plot", str(tmp_path / "s3.png"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    by_method = {r["method"]: r for r in report["results"]}
+    assert set(by_method) == set(methods) and {r["cache"] for r in report["results"]} == {"server"}
+    assert all(r["gbps_median"] > 0 for r in report["results"] if "skipped" not in r)
+    assert "skipped" not in by_method["weightstream"] and "skipped" not in by_method["limit-transport-8-ranges"]
+    assert report["total_bytes"] == sum(path.stat().st_size for path in checkpoint.iterdir() if path.suffix == ".safetensors")
+    assert (tmp_path / "s3.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_unknown_method(checkpoint: Path):

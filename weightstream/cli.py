@@ -78,6 +78,8 @@ def _load(args: argparse.Namespace) -> int:
         options["huge_pages"] = False
     if args.chunk_mib is not None:
         options["chunk_bytes"] = args.chunk_mib << 20
+    if args.max_inflight_mib is not None:
+        options["max_inflight_bytes"] = args.max_inflight_mib << 20
     if args.filter:
         options["filter"] = args.filter
     bar = ProgressBar(label="load") if sys.stderr.isatty() and not args.json else None
@@ -131,7 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("uri")
     load.add_argument("--format", default="auto")
     load.add_argument("--threads", type=int, default=None)
-    load.add_argument("--chunk-mib", type=int, default=None, help="largest read request in MiB (default 8)")
+    load.add_argument("--chunk-mib", type=int, default=None, help="largest read request in MiB (default 8 local, 64 remote)")
+    load.add_argument("--max-inflight-mib", type=int, default=None, help="streaming loader: memory window in MiB (default 1024)")
     load.add_argument("--no-huge-pages", action="store_true", help="do not ask for transparent huge pages")
     load.add_argument("--filter", nargs="+", metavar="NAME", help="load only these tensors")
     load.add_argument("--device", default="cpu", help="where tensors land: cpu (default), cuda, cuda:N")
@@ -140,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     load.set_defaults(run=_load)
 
     bench = commands.add_parser("bench", help="compare weightstream with its peers and the machine's limits")
-    bench.add_argument("uri", nargs="?", help="a checkpoint; default: a demo Llama checkpoint built in the cache")
+    bench.add_argument("uri", nargs="?", help="a checkpoint (a path, s3://, gs://, http(s)://); default: a demo Llama checkpoint built in the cache")
     bench.add_argument("--size", type=parse_size, default=GIB, help="demo checkpoint size (default 1GiB)")
     bench.add_argument("--shards", type=int, default=2, help="demo checkpoint shards (default 2)")
     bench.add_argument("--cache-dir", default=None, help="where demo checkpoints live (default ~/.cache/weightstream)")

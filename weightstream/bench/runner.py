@@ -203,13 +203,13 @@ def plot(summary: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     results = [r for r in summary["results"] if "skipped" not in r]
-    caches = [c for c in CACHES if any(r["cache"] == c for r in results)]
+    caches = [c for c in (*CACHES, SERVER_CACHE) if any(r["cache"] == c for r in results)]
     methods = list(dict.fromkeys(r["method"] for r in results))
     figure, axes = plt.subplots(figsize=(11, 4.8))
     width = 0.8 / max(1, len(caches))
     for number, cache in enumerate(caches):
         values = [next((r["gbps_median"] for r in results if r["method"] == m and r["cache"] == cache), 0.0) for m in methods]
-        bars = axes.bar([i + number * width for i in range(len(methods))], values, width, label=f"{cache} page cache")
+        bars = axes.bar([i + number * width for i in range(len(methods))], values, width, label=f"{cache} cache" if cache == SERVER_CACHE else f"{cache} page cache")
         axes.bar_label(bars, fmt="%.2f", fontsize=7)
     axes.set_yscale("log")
     axes.set_xticks([i + width * (len(caches) - 1) / 2 for i in range(len(methods))], methods, rotation=20, ha="right")
