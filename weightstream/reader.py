@@ -22,7 +22,7 @@ from weightstream.memory.devices import check_destination
 from weightstream.memory.host import HostArena, MappedFile
 from weightstream.options import LoadOptions
 from weightstream.plan import FileLayout, LoadPlan, ReadRequest, layout_file
-from weightstream.reading import THREAD_NAME_PREFIX, forget_failures, open_checked, read_request, tensors_as_read, wants_huge_pages
+from weightstream.reading import THREAD_NAME_PREFIX, open_checked, read_request, start_readers, tensors_as_read, wants_huge_pages
 from weightstream.sources.base import Source, Store
 from weightstream.sources.local import LocalStore
 
@@ -55,12 +55,7 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
         # Registered before the executors' shutdown, so it runs after the readers stopped writing.
         # Dropping the arenas here (not when a traceback lets go of this frame) frees the memory at once.
         cleanup.callback(arenas.clear)
-        futures: dict[Future, tuple[int, int]] = {}
-        cleanup.callback(forget_failures, futures)
-        stop = threading.Event()
-        readers = ThreadPoolExecutor(max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX)
-        cleanup.callback(readers.shutdown, wait=True, cancel_futures=True)
-        cleanup.callback(stop.set)
+        readers, stop, futures = start_readers(cleanup, opts)
         if opts.prefault and not pinned:  # pinning faults every page in already
             prefaulter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME_PREFIX + "-prefault")
             cleanup.callback(prefaulter.shutdown, wait=True, cancel_futures=True)

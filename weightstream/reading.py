@@ -4,9 +4,10 @@ tracking which tensors wait for which reads, and letting go of failed readers' m
 from __future__ import annotations
 
 import contextlib
+import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -50,6 +51,19 @@ def read_request(source: Source, request: ReadRequest, view: memoryview, at: int
         source.read_into(request.offset - head, view[start : start + round_up_to_page(head + request.nbytes)])
     else:
         source.read_into(request.offset, view[at : at + request.nbytes])
+
+
+def start_readers(cleanup: contextlib.ExitStack, opts: LoadOptions) -> tuple[ThreadPoolExecutor, threading.Event, dict[Future, Any]]:
+    """The reader threads of one load, a stop flag and the map of their reads, registered with ``cleanup``
+    so that on any exit the flag is set, queued reads are cancelled, running ones finish (their memory
+    must not vanish under them) and failed readers' frames let go of the load's memory."""
+    futures: dict[Future, Any] = {}
+    cleanup.callback(forget_failures, futures)
+    stop = threading.Event()
+    readers = ThreadPoolExecutor(max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX)
+    cleanup.callback(readers.shutdown, wait=True, cancel_futures=True)
+    cleanup.callback(stop.set)
+    return readers, stop, futures
 
 
 def forget_failures(futures: Iterable[Future]) -> None:

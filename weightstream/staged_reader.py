@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -22,14 +21,7 @@ import torch
 from weightstream.memory.ring import CopyEngine, CopyHandle, StagingRing
 from weightstream.options import LoadOptions
 from weightstream.plan import PAGE, LoadPlan, ReadRequest, layout_file
-from weightstream.reading import (
-    THREAD_NAME_PREFIX,
-    buffer_tensor,
-    forget_failures,
-    open_checked,
-    read_request,
-    tensors_as_read,
-)
+from weightstream.reading import buffer_tensor, open_checked, read_request, start_readers, tensors_as_read
 from weightstream.sources.base import Source, Store
 
 
@@ -61,15 +53,10 @@ def read_staged(store: Store, plan: LoadPlan, opts: LoadOptions, staging: Stagin
         sources = [cleanup.enter_context(open_checked(store, specs[layout.file], opts)) for layout in layouts]
         destinations = [staging.allocate(layout.buffer_bytes, layout.file) for layout in layouts]
         cleanup.callback(destinations.clear)
-        futures: dict[Future, tuple[int, int]] = {}
-        cleanup.callback(forget_failures, futures)
         # A direct read widens a request by up to one page: each slot has that page spare.
         ring = StagingRing(staging.engine(), opts.staging_slot_bytes + PAGE, opts.staging_slots, pinned=staging.pinned)
         cleanup.callback(ring.close)
-        stop = threading.Event()
-        readers = ThreadPoolExecutor(max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX)
-        cleanup.callback(readers.shutdown, wait=True, cancel_futures=True)
-        cleanup.callback(stop.set)
+        readers, stop, futures = start_readers(cleanup, opts)
         for file_number, (layout, source) in enumerate(zip(layouts, sources, strict=True)):
             for request_number, request in enumerate(layout.requests):
                 task = readers.submit(_stage, source, request, destinations[file_number], ring, stop, opts)

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
@@ -26,7 +26,7 @@ from weightstream.errors import InvalidOptionError
 from weightstream.memory.host import HostArena
 from weightstream.options import DEFAULT_INFLIGHT_BYTES, LoadOptions
 from weightstream.plan import PAGE, FileLayout, LoadPlan, TensorSpec, layout_file, round_up_to_page
-from weightstream.reading import THREAD_NAME_PREFIX, Waiting, forget_failures, open_checked, read_request, wants_huge_pages
+from weightstream.reading import Waiting, open_checked, read_request, start_readers, wants_huge_pages
 from weightstream.sources.base import Source, Store
 
 
@@ -100,12 +100,7 @@ def read_streaming(store: Store, plan: LoadPlan, opts: LoadOptions, *, pinned: b
         # is emptied last, after the readers writing into it have stopped.
         arenas: dict[int, HostArena] = {}
         cleanup.callback(arenas.clear)
-        futures: dict[Future, tuple[int, int]] = {}
-        cleanup.callback(forget_failures, futures)
-        stop = threading.Event()
-        readers = ThreadPoolExecutor(max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX)
-        cleanup.callback(readers.shutdown, wait=True, cancel_futures=True)
-        cleanup.callback(stop.set)
+        readers, stop, futures = start_readers(cleanup, opts)
         window_state = _Window(batches, arenas, window)
         while window_state.admitted < len(batches) or futures:
             while window_state.fits_next():

@@ -11,8 +11,8 @@ import torch
 
 import weightstream
 from tests.conformance.test_round_trip import CASES
-from tests.conftest import truncating_after_first_read
 from tests.conformance.writers import refuses
+from tests.conftest import truncating_after_first_read
 from weightstream.bench.demo import LlamaShape, llama_state_dict
 
 MIB = 1 << 20

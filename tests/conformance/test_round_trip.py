@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import weightstream
-from tests.conftest import CPU, assert_same
 from tests.conformance.writers import WRITERS, refuses
+from tests.conftest import CPU, assert_same
 from weightstream.formats.safetensors import DTYPES
 
 CASES = [(name, writer) for name in weightstream.available_loaders() for writer in WRITERS.get(name, [None])]

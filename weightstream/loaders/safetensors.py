@@ -10,11 +10,11 @@ import torch
 
 from weightstream.errors import InvalidOptionError
 from weightstream.formats.checkpoint import read_plan
+from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.plan import LoadPlan
 from weightstream.reader import read_tensors
-from weightstream.loaders.stores import PlannedStores
 from weightstream.sources import Store
 from weightstream.sources.local import LocalStore
 

@@ -10,10 +10,10 @@ import torch
 
 from weightstream.errors import InvalidOptionError
 from weightstream.loaders.safetensors import plan_checkpoint
+from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.plan import LoadPlan
-from weightstream.loaders.stores import PlannedStores
 from weightstream.sources import Store
 from weightstream.streaming_reader import read_streaming, window_bytes
 

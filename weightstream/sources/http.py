@@ -100,7 +100,7 @@ class HttpStore:
         while True:
             self.policy.check_deadline(uri)
             try:
-                answer = self.ranges.head(location, self.headers, uri)
+                answer = self.ranges.head(location, self.headers)
             except Transient as failure:
                 attempt += 1
                 self.policy.wait_before(attempt, uri, failure)

@@ -21,13 +21,16 @@ import socket
 import ssl
 import threading
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from weightstream.errors import SourceChangedError, SourceError, WeightstreamError
 from weightstream.sources.retry import RetryPolicy, Transient
 
 ERROR_BODY_BYTES = 2048
 """How much of an error answer's body is kept for the message."""
+Answer = TypeVar("Answer")
+
 PIECE_BYTES = 256 << 10
 """A body is read this much at a time: a broken answer loses at most the piece being read
 (a buffered read that fails keeps no count of what it got), and resumes after the last whole piece."""
@@ -56,15 +59,8 @@ class RangeClient:
         attempt (the connection is dropped), :class:`SourceError` (or a subclass) otherwise.
         """
         first, last = start + received[0], start + len(buffer) - 1
-        parts = urllib.parse.urlsplit(url)
-        connection = self._connection(parts)
-        target = parts.path + (f"?{parts.query}" if parts.query else "")
-        try:
-            connection.timeout = self.policy.timeout()
-            if connection.sock is not None:
-                connection.sock.settimeout(connection.timeout)
-            connection.request("GET", target, headers={**headers, "Range": f"bytes={first}-{last}"})
-            response = connection.getresponse()
+
+        def land(response: http.client.HTTPResponse) -> None:
             if response.status != 206:
                 raise _refusal(response, span, first, last)
             expected = f"bytes {first}-{last}/"
@@ -72,37 +68,45 @@ class RangeClient:
             if not content_range.startswith(expected):
                 raise SourceError(f"{span}: answered 206 with Content-Range {content_range or '(none)'}, expected {expected}...")
             _read_body(response, buffer, received)
-        except (WeightstreamError, Transient):
-            self._drop(connection)  # the rest of the answer is unread
-            raise
-        except (TimeoutError, socket.timeout):
-            self._drop(connection)
-            raise Transient(f"no byte for {connection.timeout:.1f} s after {received[0]} of {len(buffer)} bytes (stalled)", stalled=True) from None
-        except (OSError, http.client.HTTPException) as error:
-            self._drop(connection)
-            raise Transient(f"connection broke after {received[0]} of {len(buffer)} bytes: {type(error).__name__}: {error}") from None
-        except BaseException:
-            self._drop(connection)
-            raise
 
-    def head(self, url: str, headers: Mapping[str, str], span: str) -> http.client.HTTPResponse:
+        self._exchange("GET", url, {**headers, "Range": f"bytes={first}-{last}"}, land, lambda: f"after {received[0]} of {len(buffer)} bytes")
+
+    def head(self, url: str, headers: Mapping[str, str]) -> http.client.HTTPResponse:
         """A HEAD request's answer (status and headers; no body), for ``http(s)://`` metadata."""
+
+        def finish(response: http.client.HTTPResponse) -> http.client.HTTPResponse:
+            response.read()
+            return response
+
+        return self._exchange("HEAD", url, headers, finish, lambda: "before the answer")
+
+    def _exchange(self, method: str, url: str, headers: Mapping[str, str], handle: Callable[[http.client.HTTPResponse], Answer],
+                  where: Callable[[], str]) -> Answer:
+        """Send one request on this thread's connection to the URL's origin and ``handle`` its answer.
+
+        A stall or a broken connection becomes :class:`Transient` (``where()`` says how far it got);
+        on any failure the connection is dropped, since the rest of its answer is unread.
+        """
         parts = urllib.parse.urlsplit(url)
         connection = self._connection(parts)
         try:
             connection.timeout = self.policy.timeout()
             if connection.sock is not None:
                 connection.sock.settimeout(connection.timeout)
-            connection.request("HEAD", parts.path + (f"?{parts.query}" if parts.query else ""), headers=dict(headers))
-            response = connection.getresponse()
-            response.read()
-            return response
+            connection.request(method, parts.path + (f"?{parts.query}" if parts.query else ""), headers=dict(headers))
+            return handle(connection.getresponse())
+        except (WeightstreamError, Transient):
+            self._drop(connection)
+            raise
         except (TimeoutError, socket.timeout):
             self._drop(connection)
-            raise Transient(f"no answer for {connection.timeout:.1f} s (stalled)", stalled=True) from None
+            raise Transient(f"no byte for {connection.timeout:.1f} s {where()} (stalled)", stalled=True) from None
         except (OSError, http.client.HTTPException) as error:
             self._drop(connection)
-            raise Transient(f"{type(error).__name__}: {error}") from None
+            raise Transient(f"connection broke {where()}: {type(error).__name__}: {error}") from None
+        except BaseException:
+            self._drop(connection)
+            raise
 
     def close(self) -> None:
         """Close every connection of this client; idempotent. Requests after it raise."""
