@@ -59,7 +59,10 @@ def upload(endpoint: str, local: str, prefix: str) -> None:
     import boto3
     from boto3.s3.transfer import TransferConfig
 
-    client = boto3.client("s3", endpoint_url=endpoint)
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"], region_name=KEYS["AWS_DEFAULT_REGION"],
+    )
     deadline = time.monotonic() + 60
     while True:  # the bucket appears a little after the server answers
         try:
@@ -85,6 +88,7 @@ def main() -> int:
     args = parser.parse_args()
     local = demo_checkpoint(args.size)
     with tempfile.TemporaryDirectory(prefix="weightstream-s3-") as scratch:
+        sockets_before = set(Path("/tmp").glob("seaweedfs-*.sock"))
         process, endpoint = start_seaweedfs(Path(scratch))
         try:
             upload(endpoint, local, "llama")
@@ -99,9 +103,8 @@ def main() -> int:
         finally:
             process.terminate()
             process.wait(30)
-            for socket_file in Path("/tmp").glob("seaweedfs-*.sock"):
-                if str(endpoint.rsplit(":", 1)[1]) in socket_file.name:
-                    socket_file.unlink(missing_ok=True)
+            for socket_file in set(Path("/tmp").glob("seaweedfs-*.sock")) - sockets_before:
+                socket_file.unlink(missing_ok=True)  # weed puts its unix sockets in /tmp whatever TMPDIR says
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ def seaweedfs(directory: Path) -> Iterator[tuple[str, str]]:
         _weed(), f"-logdir={directory}", "mini", f"-dir={directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
         "-webdav=false", "-admin.ui=false", f"-s3.port={port}", f"-filer.port={filer_port}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={BUCKET}",
     ]
+    sockets_before = set(Path("/tmp").glob("seaweedfs-*.sock"))
     with open(log, "wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ, **KEYS})
     try:
@@ -76,9 +77,8 @@ def seaweedfs(directory: Path) -> Iterator[tuple[str, str]]:
         yield endpoint, f"http://127.0.0.1:{filer_port}/buckets/{BUCKET}"
     finally:
         _stop(process)
-        for port_number in (port, filer_port):  # weed puts these unix sockets in /tmp whatever TMPDIR says
-            for socket_file in Path("/tmp").glob(f"seaweedfs-*-{port_number}.sock"):
-                socket_file.unlink(missing_ok=True)
+        for socket_file in set(Path("/tmp").glob("seaweedfs-*.sock")) - sockets_before:
+            socket_file.unlink(missing_ok=True)  # weed puts its unix sockets in /tmp whatever TMPDIR says
 
 
 def _wait_for_bucket(endpoint: str, process: subprocess.Popen, log: Path) -> None:
