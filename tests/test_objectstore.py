@@ -57,6 +57,14 @@ def test_object_replaced_between_plan_and_read(scheme, tmp_path: Path, no_leaks)
         next(stream)
 
 
+def test_a_plan_dropped_unread_closes_its_store(scheme, tmp_path: Path, tiny_state, no_leaks):
+    """The store a plan was made through is kept for its read; a plan nobody reads takes it along."""
+    uri = upload(scheme, save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=2), "dropped-plan")
+    loader, plan, opts = weightstream.plan_load(uri)
+    assert len(plan.tensors) == len(tiny_state)
+    del loader, plan, opts
+
+
 def test_missing_object_and_prefix(scheme, no_leaks):
     with pytest.raises(weightstream.NotFound, match=rf"{scheme}://bench/no-such-prefix"):
         weightstream.load_weights(f"{scheme}://bench/no-such-prefix")
