@@ -6,14 +6,17 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 from weightstream.errors import FormatError, NotFound, ShardIndexError, TensorNotFound, UnsupportedInputError
 from weightstream.formats.index import INDEX_NAME, MAX_INDEX_BYTES, ShardIndex, parse_index
-from weightstream.formats.safetensors import read_header
+from weightstream.formats.safetensors import Header, read_header
 from weightstream.plan import FileSpec, LoadPlan, TensorSpec
-from weightstream.sources.base import Store
+from weightstream.sources.base import Source, Store
 
 SAFETENSORS_SUFFIX = ".safetensors"
+HEADER_READERS = 8
+"""Headers read at once while planning a checkpoint of many files."""
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """Files that torch.save / pickle write. weightstream never unpickles anything."""
 
@@ -101,9 +104,11 @@ def read_plan(store: Store, uri: str, wants: Callable[[str], bool], required: Co
     """
     checkpoint = find_files(store, uri)
     files, tensors, seen = [], [], {}
-    for path in checkpoint.files:
-        with contextlib.closing(store.open(path)) as source:
-            header = read_header(source)
+    # Each header is a round trip to an object store: read them side by side. map() raises the
+    # error of the first failing file in checkpoint order, as reading them one by one would.
+    with ThreadPoolExecutor(max_workers=min(HEADER_READERS, max(1, len(checkpoint.files))), thread_name_prefix="weightstream-plan") as pool:
+        opened = list(pool.map(lambda path: _header_of(store, path), checkpoint.files))
+    for path, (source, header) in zip(checkpoint.files, opened, strict=True):
         files.append(FileSpec(path=path, size=source.size, data_offset=header.data_offset, metadata=header.metadata, version=source.version))
         for entry in header.entries:
             if entry.name in seen:
@@ -119,6 +124,12 @@ def read_plan(store: Store, uri: str, wants: Callable[[str], bool], required: Co
         shown = ", ".join(repr(name) for name in missing[:5])
         raise TensorNotFound(f"{uri}: {len(missing)} requested tensor(s) not in the checkpoint: {shown}")
     return LoadPlan(uri=uri, files=tuple(files), tensors=tuple(tensors))
+
+
+def _header_of(store: Store, path: str) -> tuple[Source, Header]:
+    """The (closed) source of ``path``, which still tells its size and version, and its validated header."""
+    with contextlib.closing(store.open(path)) as source:
+        return source, read_header(source)
 
 
 def _check_index(checkpoint: CheckpointFiles, found: dict[str, str]) -> None:
