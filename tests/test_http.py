@@ -54,7 +54,7 @@ def test_file_replaced_mid_load_is_a_typed_error(http_base, tmp_path: Path, no_l
 
 
 def test_a_directory_without_an_index_cannot_be_listed(http_base, tmp_path: Path, no_leaks):
-    with pytest.raises(weightstream.NotFound, match=r"no model.safetensors.index.json at this URL; HTTP has no directory listing"):
+    with pytest.raises(weightstream.NotFound, match=r"no model.safetensors.index.json at this URL, and this store has no directory listing"):
         weightstream.load_weights(f"{http_base}/no-such-directory")
     with pytest.raises(weightstream.NotFound, match=r"no-such-file.safetensors: no such file or directory"):
         weightstream.load_weights(f"{http_base}/no-such-file.safetensors")

@@ -49,7 +49,7 @@ def find_files(store: Store, uri: str) -> CheckpointFiles:
     if not store.is_dir(uri):
         _refuse_pickle(uri)
         return CheckpointFiles(files=(uri,))
-    names = store.list_names(uri)
+    names = store.list_names(uri) if store.lists else _known_names(store, uri)
     if INDEX_NAME in names:
         index_uri = store.join(uri, INDEX_NAME)
         index = _read_index(store, index_uri)
@@ -71,6 +71,16 @@ def find_files(store: Store, uri: str) -> CheckpointFiles:
             f"Convert them to safetensors first."
         )
     raise NotFound(f"{uri}: no {SAFETENSORS_SUFFIX} files and no {INDEX_NAME} in this directory")
+
+
+def _known_names(store: Store, uri: str) -> list[str]:
+    """For a store without listings: the index, asked for by name, or an error saying what to name."""
+    if store.exists(store.join(uri, INDEX_NAME)):
+        return [INDEX_NAME]
+    raise NotFound(
+        f"{uri}: no {INDEX_NAME} at this URL, and this store has no directory listing: "
+        f"name a {SAFETENSORS_SUFFIX} file or a directory that holds an index"
+    )
 
 
 def _refuse_pickle(uri: str) -> None:

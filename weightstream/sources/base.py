@@ -38,6 +38,9 @@ class Store(Protocol):
     def exists(self, uri: str) -> bool:
         """Whether ``uri`` names a file or a directory."""
 
+    lists: bool
+    """Whether :meth:`list_names` works (HTTP has no listing: files there are found by name)."""
+
     def list_names(self, uri: str) -> list[str]:
         """Names of the entries directly inside directory ``uri``, sorted."""
 

@@ -14,8 +14,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
-from weightstream.errors import InvalidOptionError, NotFound, SourceError
-from weightstream.formats.index import INDEX_NAME
+from weightstream.errors import InvalidOptionError, NotFound, SourceError, UnsupportedInputError
 from weightstream.sources.http_range import RangeClient
 from weightstream.sources.objectstore import ObjectSource
 from weightstream.sources.retry import RetryPolicy, Transient
@@ -29,6 +28,7 @@ LAST_MODIFIED = "last-modified "
 
 class HttpStore:
     """Opens files under ``http(s)://`` URLs; ``storage_options`` may hold ``headers`` (e.g. ``Authorization``).
+    It cannot list directories (``lists`` is False): a directory is known by the files it is asked for.
 
     Example:
         >>> store = HttpStore({"headers": {"Authorization": "Bearer ..."}})
@@ -36,6 +36,8 @@ class HttpStore:
         (True, False)
         >>> store.close()
     """
+
+    lists = False
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> None:
         options = dict(storage_options or {})
@@ -52,16 +54,11 @@ class HttpStore:
         return not uri.rstrip("/").endswith(FILE_SUFFIXES) or uri.endswith("/")
 
     def exists(self, uri: str) -> bool:
-        """Files: whether ``HEAD`` finds them. Directories always "exist": :meth:`list_names` says what they hold."""
+        """Files: whether ``HEAD`` finds them. Directories always "exist": what they hold is found by name."""
         return self.is_dir(uri) or self._head(uri, missing_ok=True) is not None
 
     def list_names(self, uri: str) -> list[str]:
-        if self._head(self.join(uri, INDEX_NAME), missing_ok=True) is None:
-            raise NotFound(
-                f"{uri}: no {INDEX_NAME} at this URL; HTTP has no directory listing, so name a .safetensors file "
-                f"or a directory that holds an index"
-            )
-        return [INDEX_NAME]
+        raise UnsupportedInputError(f"{uri}: HTTP has no directory listing")
 
     def join(self, directory: str, name: str) -> str:
         return directory.rstrip("/") + "/" + name

@@ -85,6 +85,8 @@ class LocalFile:
 class LocalStore:
     """Paths on the local filesystem (``file://`` prefix accepted)."""
 
+    lists = True
+
     def is_dir(self, uri: str) -> bool:
         return os.path.isdir(_path(uri))
 

@@ -68,6 +68,8 @@ class ObjectStore:
         4096
     """
 
+    lists = True
+
     def __init__(self, scheme: str, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> None:
         self.scheme = scheme
         self.protocol = PROTOCOLS[scheme]
