@@ -93,21 +93,18 @@ class HttpStore:
 
     def _head(self, uri: str, missing_ok: bool = False) -> http.client.HTTPResponse | None:
         """The ``HEAD`` answer for ``uri`` after redirects (retried like ranges), or None if missing and ``missing_ok``."""
-        attempt, location, redirects = 1, uri, 0
-        while True:
-            self.policy.check_deadline(uri)
-            try:
+        location, redirects = uri, 0
+
+        def attempt() -> http.client.HTTPResponse | None:
+            nonlocal location, redirects
+            while True:
                 answer = self.ranges.head(location, self.headers)
-            except Transient as failure:
-                attempt += 1
-                self.policy.wait_before(attempt, uri, failure)
-                continue
-            if answer.status in (301, 302, 303, 307, 308) and answer.getheader("Location"):
+                if answer.status not in (301, 302, 303, 307, 308) or not answer.getheader("Location"):
+                    break
                 redirects += 1
                 if redirects > MAX_REDIRECTS:
                     raise SourceError(f"{uri}: more than {MAX_REDIRECTS} redirects")
                 location = urllib.parse.urljoin(location, answer.getheader("Location"))
-                continue
             if answer.status == 200:
                 self._locations[uri] = location
                 return answer
@@ -118,7 +115,7 @@ class HttpStore:
             if answer.status in (401, 403):
                 raise SourceError(f"{uri}: access denied (HTTP {answer.status})")
             if answer.status in (408, 429) or answer.status >= 500:
-                attempt += 1
-                self.policy.wait_before(attempt, uri, Transient(f"HTTP {answer.status}"))
-                continue
+                raise Transient(f"HTTP {answer.status}")
             raise SourceError(f"{uri}: HEAD answered HTTP {answer.status} {answer.reason}")
+
+        return self.policy.run(uri, attempt)

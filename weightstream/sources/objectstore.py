@@ -152,9 +152,7 @@ class ObjectStore:
         """A metadata call (info, ls, ...), retried like ranges; each attempt bounded by the stall timeout."""
         from fsspec.exceptions import FSTimeoutError
 
-        attempt = 1
-        while True:
-            self.policy.check_deadline(uri)
+        def attempt() -> Any:
             try:
                 return function(*args, timeout=self.policy.timeout(), **kwargs)  # fsspec's sync() takes `timeout`
             except FileNotFoundError:
@@ -162,11 +160,11 @@ class ObjectStore:
             except PermissionError as error:
                 raise SourceError(f"{uri}: access denied: {error}") from None
             except FSTimeoutError:
-                failure = Transient(f"no answer for {self.policy.timeout():.1f} s (stalled)", stalled=True)
+                raise Transient(f"no answer for {self.policy.timeout():.1f} s (stalled)", stalled=True) from None
             except Exception as error:  # noqa: BLE001 - 5xx, resets: s3fs and gcsfs raise many types
-                failure = Transient(f"{type(error).__name__}: {error}")
-            attempt += 1
-            self.policy.wait_before(attempt, uri, failure)
+                raise Transient(f"{type(error).__name__}: {error}") from None
+
+        return self.policy.run(uri, attempt)
 
 
 class ObjectSource:
@@ -194,15 +192,15 @@ class ObjectSource:
         span = f"{self.uri}: range {offset}..{offset + nbytes}"
         if offset + nbytes > self.size:
             raise SourceError(f"{span} is past its end ({self.size} bytes)")
-        policy, received, attempt = self.store.policy, [0], 1
-        while received[0] < nbytes:
-            policy.check_deadline(span)
+        if nbytes == 0:
+            return
+        received = [0]  # kept across attempts: each asks only for the bytes still missing
+
+        def attempt() -> None:
             url, headers = self.store.range_target(self)
-            try:
-                self.store.ranges.get_into(url, headers, offset, buffer, received, span)
-            except Transient as failure:
-                attempt += 1
-                policy.wait_before(attempt, span, failure)
+            self.store.ranges.get_into(url, headers, offset, buffer, received, span)
+
+        self.store.policy.run(span, attempt)
 
     def close(self) -> None:
         """Nothing to release: connections belong to the store."""

@@ -5,8 +5,12 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from weightstream.errors import SourceError, SourceTimeout
+
+Result = TypeVar("Result")
 
 MAX_BACKOFF_S = 5.0
 FIRST_BACKOFF_S = 0.1
@@ -44,6 +48,29 @@ class RetryPolicy:
         if self.deadline is not None and time.monotonic() + pause >= self.deadline:
             raise SourceTimeout(f"{span}: the load's deadline passed after {attempt - 1} attempt(s); last failure: {failure}")
         time.sleep(pause)
+
+    def run(self, span: str, attempt: Callable[[], Result]) -> Result:
+        """``attempt()`` until it returns, trying again after each :class:`Transient` it raises, as
+        :meth:`wait_before` allows; the deadline is checked before every attempt.
+
+        Example:
+            >>> tries = iter([Transient("503 SlowDown"), 42])
+            >>> def flaky():
+            ...     outcome = next(tries)
+            ...     if isinstance(outcome, Exception):
+            ...         raise outcome
+            ...     return outcome
+            >>> RetryPolicy().run("s3://b/k", flaky)
+            42
+        """
+        number = 1
+        while True:
+            self.check_deadline(span)
+            try:
+                return attempt()
+            except Transient as failure:
+                number += 1
+                self.wait_before(number, span, failure)
 
     def timeout(self) -> float:
         """Seconds the next wait for bytes may take: the stall timeout, or less if the deadline is nearer."""
