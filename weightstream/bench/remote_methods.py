@@ -85,7 +85,7 @@ def limit_boto3_get(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Ten
 
     client = boto3.client("s3")
     for path in files:
-        bucket, key = path.split("://", 1)[1].split("/", 1)
+        bucket, key = _bucket_and_key(path)
         body = client.get_object(Bucket=bucket, Key=key)["Body"]
         while body.read(PIECE):
             pass
@@ -113,9 +113,9 @@ def boto3_ranges(keep: bool) -> Method:
 
         jobs = []
         for path in files:
-            bucket, key = path.split("://", 1)[1].split("/", 1)
+            bucket, key = _bucket_and_key(path)
             size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
-            jobs += [(bucket, key, start, min(size, start + LIMIT_RANGE_BYTES)) for start in range(0, size, LIMIT_RANGE_BYTES)]
+            jobs += [(bucket, key, start, end) for start, end in _spans(size, LIMIT_RANGE_BYTES)]
         with ThreadPoolExecutor(LIMIT_THREADS) as pool:
             bodies = list(pool.map(get, jobs))
         with warnings.catch_warnings():
@@ -144,7 +144,7 @@ def limit_transport(threads: int, range_bytes: int) -> Method:
                     local.buffer = memoryview(bytearray(range_bytes))
                 sources[number].read_into(start, local.buffer[: end - start])
 
-            jobs = [(n, s, min(src.size, s + range_bytes)) for n, src in enumerate(sources) for s in range(0, src.size, range_bytes)]
+            jobs = [(number, start, end) for number, source in enumerate(sources) for start, end in _spans(source.size, range_bytes)]
             with ThreadPoolExecutor(threads) as pool:
                 list(pool.map(get, jobs))
         yield from ()
@@ -171,13 +171,24 @@ def limit_obstore_ranges(uri: str, files: list[str]) -> Iterator[tuple[str, torc
 
         jobs = []
         for path in files:
-            key = path.split("/", 3)[3]
+            key = _bucket_and_key(path)[1]
             size = (await obstore.head_async(store, key))["size"]
-            jobs += [get(key, start, min(size, start + LIMIT_RANGE_BYTES)) for start in range(0, size, LIMIT_RANGE_BYTES)]
+            jobs += [get(key, start, end) for start, end in _spans(size, LIMIT_RANGE_BYTES)]
         await asyncio.gather(*jobs)
 
     asyncio.run(fetch())
     yield from ()
+
+
+def _bucket_and_key(path: str) -> tuple[str, str]:
+    """``s3://bucket/key/of/object`` -> ``("bucket", "key/of/object")``."""
+    bucket, key = path.split("://", 1)[1].split("/", 1)
+    return bucket, key
+
+
+def _spans(size: int, step: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges of ``step`` bytes (the last one shorter) covering ``size`` bytes."""
+    return [(start, min(size, start + step)) for start in range(0, size, step)]
 
 
 REMOTE_METHODS: dict[str, RemoteMethod] = {
