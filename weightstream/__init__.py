@@ -5,7 +5,7 @@ Example:
     >>> weights = weightstream.load_weights("model/")  # doctest: +SKIP
 """
 
-from weightstream.api import iter_weights, load_weights, plan_load, resolve_format
+from weightstream.api import iter_layers, iter_weights, load_weights, plan_load, resolve_format
 from weightstream.errors import (
     BenchmarkError,
     DeviceMemoryError,
@@ -14,6 +14,7 @@ from weightstream.errors import (
     HeaderError,
     HostMemoryError,
     InvalidOptionError,
+    LayerInUseError,
     LoaderRegistrationError,
     NotFound,
     OptionError,
@@ -40,6 +41,7 @@ __all__ = [
     "HeaderError",
     "HostMemoryError",
     "InvalidOptionError",
+    "LayerInUseError",
     "LoadOptions",
     "LoaderRegistrationError",
     "NotFound",
@@ -54,6 +56,7 @@ __all__ = [
     "UnsupportedInputError",
     "WeightstreamError",
     "available_loaders",
+    "iter_layers",
     "iter_weights",
     "load_weights",
     "plan_load",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -77,10 +78,38 @@ def iter_weights(uri: str | os.PathLike[str], format: str = AUTO, **options: Any
     return loader.iter_weights(plan, opts)
 
 
+def iter_layers(uri: str | os.PathLike[str], **options: Any) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """Yield ``(layer key, {name: tensor})`` layer by layer, in layer order, through reused buffers.
+
+    Embeddings first, then ``model.layers.0``, ``model.layers.1``, ..., then the final norm and
+    the head (``layer_rule`` changes what a layer is; see ``weightstream.layers``). The next
+    ``prefetch_layers`` layers are read while you work on one. The memory held is
+    ``prefetch_layers + 1`` buffers of the largest layer's size, reused layer after layer.
+
+    The contract: the tensors are views of those buffers. When you ask for a layer, you may still
+    hold (reference, through any view) at most ``prefetch_layers`` earlier layers; a buffer comes
+    back the moment the last tensor of its layer dies. Holding more raises ``LayerInUseError``
+    (nothing is overwritten under you). Keep what you need as copies, or pass
+    ``copy_layers=True``. ``layer_hook(key, tensors)`` runs on each complete layer, in order,
+    before it is yielded; what it returns (e.g. quantized tensors) is yielded instead.
+
+    Raises:
+        LayerInUseError: a layer was asked for while more earlier layers than allowed were still referenced.
+        WeightstreamError: as :func:`iter_weights`.
+
+    Example:
+        >>> for key, tensors in iter_layers("model/", device="cuda"):  # doctest: +SKIP
+        ...     model.get_submodule(key).load_state_dict(strip_prefix(tensors, key))  # copies out of the buffer
+    """
+    loader, plan, opts = plan_load(uri, "layered", **options)
+    return loader.iter_layers(plan, opts)
+
+
 def load_weights(uri: str | os.PathLike[str], format: str = AUTO, device: str = "cpu", **options: Any) -> dict[str, torch.Tensor]:
     """Load every (selected) tensor: all of them, or an error and none.
 
-    The dict is ordered as the tensors are stored (file by file, by offset).
+    The dict is ordered as the tensors are stored (file by file, by offset). A loader that reuses
+    its memory (``layered``) is asked for copies (``copy_layers=True``), since every tensor is kept.
 
     Example:
         >>> weights = load_weights("model.safetensors")  # doctest: +SKIP
@@ -88,6 +117,8 @@ def load_weights(uri: str | os.PathLike[str], format: str = AUTO, device: str = 
         torch.bfloat16
     """
     loader, plan, opts = plan_load(uri, format, device=device, **options)
+    if getattr(loader, "reuses_memory", False):
+        opts = dataclasses.replace(opts, copy_layers=True)
     loaded: dict[str, torch.Tensor] = {}
     try:
         for name, tensor in loader.iter_weights(plan, opts):

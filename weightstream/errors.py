@@ -78,6 +78,11 @@ class DeviceUnavailableError(WeightstreamError, RuntimeError):
     """The requested destination (a CUDA device, pinned memory) does not exist on this machine."""
 
 
+class LayerInUseError(WeightstreamError, RuntimeError):
+    """The ``layered`` loader needs a buffer back for the next layer, but the caller still references
+    the tensors of the layers it holds (keep copies, or pass ``copy_layers=True``)."""
+
+
 class HostMemoryError(WeightstreamError, MemoryError):
     """Host memory for the tensors could not be allocated."""
 

@@ -11,6 +11,7 @@ from typing import Any, Union
 import torch
 
 from weightstream.errors import InvalidOptionError, OptionError
+from weightstream.layers import LayerRule, compile_rule
 from weightstream.sources.retry import RetryPolicy
 
 TensorFilter = Union[Collection[str], Callable[[str], bool]]
@@ -19,11 +20,17 @@ TensorFilter = Union[Collection[str], Callable[[str], bool]]
 ProgressCallback = Callable[[int], None]
 """Called with the number of bytes that just landed (from reader threads)."""
 
+LayerHook = Callable[[str, dict[str, torch.Tensor]], Union[Mapping[str, torch.Tensor], None]]
+"""Called with each complete layer (key, tensors) before it is yielded; returns the tensors to yield
+instead (e.g. quantized ones), or None to yield the layer as read."""
+
 MIB = 1 << 20
 MAX_STAGING_BYTES = 4 << 30
 """Upper bound on ``staging_slots * staging_slot_bytes``: staging is pinned memory."""
 LOCAL_CHUNK_BYTES = 8 * MIB
 REMOTE_CHUNK_BYTES = 64 * MIB
+LAYERED_OPTIONS = ("layer_rule", "prefetch_layers", "layer_hook", "copy_layers")
+"""Options only the ``layered`` loader honours; the others refuse them."""
 DEFAULT_INFLIGHT_BYTES = 1 << 30
 """The streaming loader's window when ``max_inflight_bytes`` is not given (raised to the largest tensor)."""
 
@@ -115,6 +122,23 @@ class LoadOptions:
     progress: ProgressCallback | None = None
     """Called from reader threads with each count of bytes read. Default ``None``."""
 
+    layer_rule: LayerRule | None = None
+    """The ``layered`` loader: which layer each tensor belongs to, a regular expression whose first group
+    captures the layer number or a callable name -> layer key (see ``weightstream.layers``). Default
+    ``None``: Llama/Qwen/Mistral naming (``model.layers.<n>.``)."""
+
+    prefetch_layers: int = 1
+    """The ``layered`` loader: layers read ahead of the one the caller holds. It keeps
+    ``prefetch_layers + 1`` buffers of the largest layer's size and reuses them. Default 1."""
+
+    layer_hook: LayerHook | None = None
+    """The ``layered`` loader: called with each complete layer before it is yielded, in layer order;
+    what it returns is yielded instead (None: the layer as read). Default ``None``."""
+
+    copy_layers: bool = False
+    """The ``layered`` loader: yield copies the caller may keep, instead of views of the reused
+    buffers (which must be released before the layer after next is asked for). Default ``False``."""
+
     def __post_init__(self) -> None:
         _check_device(self.device)
         if self.threads is not None and (not _is_int(self.threads) or self.threads < 1):
@@ -131,7 +155,7 @@ class LoadOptions:
                 f"staging_slots x staging_slot_bytes = {self.staging_slots} x {self.staging_slot_bytes} bytes "
                 f"exceeds the {MAX_STAGING_BYTES >> 30} GiB bound on pinned staging"
             )
-        for name in ("prefault", "zero_copy"):
+        for name in ("prefault", "zero_copy", "copy_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("direct_io", "huge_pages", "pin_memory", "gds"):
@@ -166,6 +190,12 @@ class LoadOptions:
             raise OptionError(f"progress must be callable, got {type(self.progress).__name__}")
         if self.filter is not None:
             object.__setattr__(self, "filter", _normalise_filter(self.filter))
+        if not _is_int(self.prefetch_layers) or self.prefetch_layers < 1:
+            raise InvalidOptionError(f"prefetch_layers must be a positive integer, got {self.prefetch_layers!r}")
+        if self.layer_hook is not None and not callable(self.layer_hook):
+            raise OptionError(f"layer_hook must be callable, got {type(self.layer_hook).__name__}")
+        if self.layer_rule is not None:
+            object.__setattr__(self, "layer_rule", compile_rule(self.layer_rule))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LoadOptions:
@@ -203,6 +233,22 @@ class LoadOptions:
         """How object-store requests of a load starting now are retried (its deadline starts now)."""
         deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
         return RetryPolicy(self.retries, self.request_timeout_s, deadline)
+
+    def changed(self, names: Collection[str]) -> list[str]:
+        """Which of the options ``names`` differ from their defaults.
+
+        Example:
+            >>> LoadOptions(prefetch_layers=2).changed(LAYERED_OPTIONS)
+            ['prefetch_layers']
+        """
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        return [name for name in names if getattr(self, name) != defaults[name]]
+
+    def refuse_layered(self, loader: str) -> None:
+        """Raise ``InvalidOptionError`` if a ``layered``-only option is set, for ``loader``, which yields tensors, not layers."""
+        changed = self.changed(LAYERED_OPTIONS)
+        if changed:
+            raise InvalidOptionError(f"{changed[0]}: only format='layered' groups tensors into layers; the {loader} loader yields tensors as they land")
 
     def wants(self, name: str) -> bool:
         """Whether the filter selects tensor ``name``."""

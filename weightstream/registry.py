@@ -25,6 +25,7 @@ ENTRY_POINT_GROUP = "weightstream.loaders"
 BUILTIN_LOADERS: dict[str, str] = {
     "safetensors": "weightstream.loaders.safetensors:SafetensorsLoader",
     "streaming": "weightstream.loaders.streaming:StreamingLoader",
+    "layered": "weightstream.loaders.layered:LayeredLoader",
 }
 """Built-in loaders by dotted path (``module:Class``)."""
 

@@ -59,14 +59,14 @@ def read_staged(store: Store, plan: LoadPlan, opts: LoadOptions, staging: Stagin
         readers, stop, futures = start_readers(cleanup, opts)
         for file_number, (layout, source) in enumerate(zip(layouts, sources, strict=True)):
             for request_number, request in enumerate(layout.requests):
-                task = readers.submit(_stage, source, request, destinations[file_number], ring, stop, opts)
+                task = readers.submit(stage_request, source, request, destinations[file_number], ring, stop, opts)
                 futures[task] = (file_number, request_number)
         yield from tensors_as_read(
             layouts, futures, lambda file, tensor: buffer_tensor(layouts[file], destinations[file], tensor), on_result=ring.wait
         )
 
 
-def _stage(
+def stage_request(
     source: Source, request: ReadRequest, destination: torch.Tensor, ring: StagingRing, stop: threading.Event, opts: LoadOptions
 ) -> CopyHandle | None:
     """Read ``request`` into a free slot and launch its copy; the slot goes back to the ring either way."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import weightstream
-from tests.conformance.writers import WRITERS, refuses
+from tests.conformance.writers import KEEPING_OPTIONS, WRITERS, refuses
 from tests.conftest import CPU, assert_same
 from weightstream.formats.safetensors import DTYPES
 
@@ -82,7 +82,8 @@ def test_llama_checkpoint(layout, io, destination, tmp_path: Path, tiny_state, n
     if refuses(name, options, uri):
         return
     assert_same(weightstream.load_weights(uri, format=name, **options), tiny_state, destination)
-    assert_same(dict(weightstream.iter_weights(uri, format=name, **{"chunk_bytes": 4096, "threads": 3, **options})), tiny_state, destination)
+    kept = dict(weightstream.iter_weights(uri, format=name, **{"chunk_bytes": 4096, "threads": 3, **options, **KEEPING_OPTIONS.get(name, {})}))
+    assert_same(kept, tiny_state, destination)
 
 
 @pytest.mark.parametrize("io", IO_MODES, ids=IO_IDS)
@@ -177,5 +178,5 @@ def test_abandoned_iterator_leaks_nothing(layout, destination, tmp_path: Path, t
 
 def test_unknown_option_raises_before_any_io(layout, tmp_path: Path):
     name, _ = layout
-    with pytest.raises(weightstream.OptionError, match=r"unknown option\(s\) chunk_size; known options: chunk_bytes, deadline_s, device"):
+    with pytest.raises(weightstream.OptionError, match=r"unknown option\(s\) chunk_size; known options: chunk_bytes, copy_layers, deadline_s, device"):
         weightstream.iter_weights(tmp_path / "does-not-exist", format=name, chunk_size=1)

@@ -27,13 +27,21 @@ def hf_sharded(state: dict[str, torch.Tensor], directory: Path) -> str:
 WRITERS: dict[str, list[Writer]] = {
     "safetensors": [single_file, hf_sharded],
     "streaming": [single_file, hf_sharded],
+    "layered": [single_file, hf_sharded],
 }
 """Each loader's checkpoint writers; the conformance suite runs every loader on each of its layouts."""
 
 REFUSED_OPTIONS: dict[str, frozenset[str]] = {
     "streaming": frozenset({"zero_copy"}),  # it reads into a bounded window of its own memory, not file mappings
+    "layered": frozenset({"zero_copy"}),  # it reads into buffers it reuses, not file mappings
 }
 """Options a loader refuses by design; the conformance suite checks the refusal instead of the load."""
+
+
+KEEPING_OPTIONS: dict[str, dict[str, object]] = {
+    "layered": {"copy_layers": True},  # its tensors are views of reused buffers unless copied
+}
+"""Options a caller that keeps every tensor ``iter_weights`` yields must pass to each loader."""
 
 
 def refuses(name: str, options: dict, uri: str) -> bool:

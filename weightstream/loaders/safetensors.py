@@ -39,6 +39,7 @@ class SafetensorsLoader:
                 f"max_inflight_bytes: the {self.name} loader holds the whole checkpoint; "
                 f"use format='streaming' for a bounded window"
             )
+        opts.refuse_layered(self.name)
         check_destination(opts.device, opts.pin_memory)
         return self._stores.plan(uri, opts, lambda store: plan_checkpoint(store, uri, opts))
 
