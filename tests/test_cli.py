@@ -58,6 +58,13 @@ def test_load_streaming_in_a_window(checkpoint: Path, tiny_state):
     assert (report["format"], report["tensors"]) == ("streaming", len(tiny_state))
 
 
+def test_load_layer_by_layer(checkpoint: Path, tiny_state):
+    result = cli("load", str(checkpoint), "--json", "--format", "layered", "--prefetch-layers", "2")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["format"], report["tensors"]) == ("layered", len(tiny_state))
+
+
 def test_load_filter(checkpoint: Path):
     result = cli("load", str(checkpoint), "--json", "--filter", "lm_head.weight", "model.norm.weight")
     assert result.returncode == 0, result.stderr
@@ -86,6 +93,17 @@ def test_bench_builds_the_demo_and_compares(tmp_path: Path):
     assert set(report["ratios"]["cold"]) == {"safetensors.load_file", "limit-read-reused"}
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "cache" / "demo-llama-1l-2s" / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_layered_on_a_demo_of_so_many_layers(tmp_path: Path):
+    result = cli("bench", "--size", "24MiB", "--layers", "4", "--cache-dir", str(tmp_path / "cache"), "--rounds", "1", "--cache", "warm",
+                 "--methods", "weightstream,weightstream-layered", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {r["method"] for r in report["results"]} == {"weightstream", "weightstream-layered"}
+    assert all(r["gbps_median"] > 0 for r in report["results"])
+    assert [path.name for path in (tmp_path / "cache").iterdir()] == ["demo-llama-4l-256h-2s"]
 
 
 @pytest.mark.slow

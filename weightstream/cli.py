@@ -1,8 +1,8 @@
 """The ``weightstream`` command: a thin shell over the Python API.
 
     weightstream inspect URI [--json]
-    weightstream load URI [--json] [--device cuda] [--pin-memory] [--threads N] [--chunk-mib M] [--filter NAME ...]
-    weightstream bench [URI] [--device cuda] [--size 1GiB] [--rounds 3] [--json] [--plot bench.png]
+    weightstream load URI [--json] [--format F] [--device cuda] [--pin-memory] [--threads N] [--chunk-mib M] [--prefetch-layers N] [--filter NAME ...]
+    weightstream bench [URI] [--device cuda] [--size 1GiB] [--layers N] [--rounds 3] [--json] [--plot bench.png]
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ def _load(args: argparse.Namespace) -> int:
         options["chunk_bytes"] = args.chunk_mib << 20
     if args.max_inflight_mib is not None:
         options["max_inflight_bytes"] = args.max_inflight_mib << 20
+    if args.prefetch_layers is not None:
+        options["prefetch_layers"] = args.prefetch_layers
     if args.filter:
         options["filter"] = args.filter
     bar = ProgressBar(label="load") if sys.stderr.isatty() and not args.json else None
@@ -108,7 +110,7 @@ def _bench(args: argparse.Namespace) -> int:
     uri = args.uri
     if uri is None:
         print(f"building (or reusing) a demo Llama checkpoint of about {args.size / 2**30:.2f} GiB ...", file=sys.stderr)
-        uri = demo_checkpoint(args.size, shards=args.shards, cache_dir=args.cache_dir)
+        uri = demo_checkpoint(args.size, shards=args.shards, cache_dir=args.cache_dir, layers=args.layers)
     methods = args.methods.split(",") if args.methods else None
     caches = args.cache.split(",")
     report = run_bench(uri, methods=methods, caches=caches, rounds=args.rounds, device=args.device,
@@ -135,6 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("--threads", type=int, default=None)
     load.add_argument("--chunk-mib", type=int, default=None, help="largest read request in MiB (default 8 local, 64 remote)")
     load.add_argument("--max-inflight-mib", type=int, default=None, help="streaming loader: memory window in MiB (default 1024)")
+    load.add_argument("--prefetch-layers", type=int, default=None, help="layered loader: layers read ahead (default 1)")
     load.add_argument("--no-huge-pages", action="store_true", help="do not ask for transparent huge pages")
     load.add_argument("--filter", nargs="+", metavar="NAME", help="load only these tensors")
     load.add_argument("--device", default="cpu", help="where tensors land: cpu (default), cuda, cuda:N")
@@ -146,6 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("uri", nargs="?", help="a checkpoint (a path, s3://, gs://, http(s)://); default: a demo Llama checkpoint built in the cache")
     bench.add_argument("--size", type=parse_size, default=GIB, help="demo checkpoint size (default 1GiB)")
     bench.add_argument("--shards", type=int, default=2, help="demo checkpoint shards (default 2)")
+    bench.add_argument("--layers", type=int, default=None, help="demo checkpoint layers, made as wide as --size needs (default: 2048 wide)")
     bench.add_argument("--cache-dir", default=None, help="where demo checkpoints live (default ~/.cache/weightstream)")
     bench.add_argument("--rounds", type=int, default=3)
     bench.add_argument("--device", choices=list(METHODS_BY_DEVICE), default="cpu", help="where tensors land (default cpu)")

@@ -10,9 +10,10 @@ Pure functions over tensor names; no I/O. A rule maps a tensor name to its layer
 
 A tensor outside every numbered layer (embeddings, the final norm, the head) forms a layer of its
 own module: ``model.embed_tokens.weight`` is in ``model.embed_tokens``. Layers come in this order:
-modules whose key names an embedding (contains ``embed``) first, then numbered layers by number,
-then the other modules, with heads (last key component containing ``head``) at the very end; ties
-keep the order in which the checkpoint stores them.
+embeddings first (the key's last component contains ``emb``, or is ``wte`` or ``wpe``), then
+numbered layers by number, then the other modules, with heads (the last component contains
+``head`` or ends in ``_out``) at the very end; ties keep the order the checkpoint stores them in.
+Anything else: pass a callable rule.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ DEFAULT_LAYER_PATTERN = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 """Llama, Qwen, Mistral (and their MoE variants): ``...layers.<number>.``."""
 
 _TRAILING_NUMBER = re.compile(r"(\d+)$")
+_EMBEDDING = re.compile(r"emb|^wte$|^wpe$")
+"""Input embeddings, by the key's last component: embed_tokens, tok_embeddings, word_embeddings, rotary_emb, wte, wpe."""
+_HEAD = re.compile(r"head|_out$")
+"""Output heads, by the key's last component: lm_head, embed_out (GPT-NeoX), proj_out."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +130,9 @@ def _rank(key: str, number: int | None, position: int) -> tuple[int, int, int]:
     """Embeddings, then numbered layers by number, then other modules, heads last; ties by position."""
     if number is not None:
         return 1, number, position
-    if "embed" in key:
+    last = key.rsplit(".", 1)[-1]
+    if _HEAD.search(last):
+        return 2, 1, position
+    if _EMBEDDING.search(last):
         return 0, 0, position
-    return 2, int("head" in key.rsplit(".", 1)[-1]), position
+    return 2, 0, position

@@ -54,16 +54,22 @@ class LlamaShape:
         return sum(math.prod(shape) for _, shape in self.tensor_shapes()) * dtype.itemsize
 
     @classmethod
-    def of_size(cls, target_bytes: int, dtype: torch.dtype = torch.bfloat16) -> LlamaShape:
-        """The 2048-wide shape whose layer count brings it closest to ``target_bytes``.
+    def of_size(cls, target_bytes: int, dtype: torch.dtype = torch.bfloat16, layers: int | None = None) -> LlamaShape:
+        """The shape closest to ``target_bytes``: 2048 wide with as many layers as it takes, or, given
+        ``layers``, that many layers as wide (in steps of 256, the MLP 2.75x as wide) as it takes.
 
         Example:
             >>> LlamaShape.of_size(1 << 30).layers
             9
+            >>> LlamaShape.of_size(2 << 30, layers=16).hidden
+            2304
         """
-        base = cls(layers=0).nbytes(dtype)
-        per_layer = cls(layers=1).nbytes(dtype) - base
-        return cls(layers=max(1, round((target_bytes - base) / per_layer)))
+        if layers is None:
+            base = cls(layers=0).nbytes(dtype)
+            per_layer = cls(layers=1).nbytes(dtype) - base
+            return cls(layers=max(1, round((target_bytes - base) / per_layer)))
+        widths = [cls(hidden=hidden, intermediate=round(hidden * 2.75 / 256) * 256, layers=layers) for hidden in range(256, 16385, 256)]
+        return min(widths, key=lambda shape: abs(shape.nbytes(dtype) - target_bytes))
 
 
 def llama_state_dict(shape: LlamaShape, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -99,15 +105,16 @@ def write_sharded(state_dict: dict[str, torch.Tensor], directory: str | os.PathL
     return paths
 
 
-def demo_checkpoint(size_bytes: int = GIB, shards: int = 2, cache_dir: str | None = None) -> str:
-    """The path of a cached demo checkpoint of about ``size_bytes``, built on first use.
+def demo_checkpoint(size_bytes: int = GIB, shards: int = 2, cache_dir: str | None = None, layers: int | None = None) -> str:
+    """The path of a cached demo checkpoint of about ``size_bytes`` (with ``layers`` layers if given), built on first use.
 
     Example:
         >>> path = demo_checkpoint(256 << 20)  # doctest: +SKIP
     """
     cache_dir = cache_dir or os.environ.get("WEIGHTSTREAM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "weightstream"))
-    shape = LlamaShape.of_size(size_bytes)
-    target = os.path.join(cache_dir, f"demo-llama-{shape.layers}l-{shards}s")
+    shape = LlamaShape.of_size(size_bytes, layers=layers)
+    width = "" if shape.hidden == LlamaShape.hidden else f"{shape.hidden}h-"
+    target = os.path.join(cache_dir, f"demo-llama-{shape.layers}l-{width}{shards}s")
     if os.path.exists(os.path.join(target, INDEX_NAME)):
         return target
     os.makedirs(cache_dir, exist_ok=True)

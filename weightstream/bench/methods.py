@@ -30,6 +30,15 @@ def weightstream_with(**options: object) -> Method:
     return load
 
 
+def weightstream_dropping(**options: object) -> Method:
+    """weightstream.iter_weights with ``options`` and a consumer that drops each tensor once the worker has
+    touched it (``drops``), as an engine copying tensors into its parameters does: the run's peak RSS is then
+    what the loader holds (the streaming window, the layered buffers), not the checkpoint."""
+    load = weightstream_with(**options)
+    load.drops = True
+    return load
+
+
 def weightstream_ring_cpu(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """The staging ring with the CPU copy engine: what a CUDA load does, minus the device (a diagnostic)."""
     import weightstream
@@ -163,6 +172,7 @@ CUDA_METHODS: dict[str, tuple[Method, str | None]] = {
     "weightstream": (weightstream_with(device="cuda:0"), None),
     "weightstream-small-ring": (weightstream_with(device="cuda:0", staging_slots=4, staging_slot_bytes=4 << 20), None),
     "weightstream-gds": (weightstream_with(device="cuda:0", gds=True), None),
+    "weightstream-layered": (weightstream_dropping(device="cuda:0", format="layered"), None),
     "safetensors.load_file": (safetensors_load_file_cuda, "safetensors"),
     "runai-model-streamer": (runai_model_streamer_cuda, "runai_model_streamer"),
     "fastsafetensors-nogds": (fastsafetensors_cuda(nogds=True), "fastsafetensors"),
@@ -180,6 +190,7 @@ METHODS: dict[str, tuple[Method, str | None]] = {
     "weightstream-buffered": (weightstream_with(direct_io=False), None),
     "weightstream-zero-copy": (weightstream_with(zero_copy=True), None),
     "weightstream-ring-cpu": (weightstream_ring_cpu, None),
+    "weightstream-layered": (weightstream_dropping(format="layered"), None),
     "safetensors.load_file": (safetensors_load_file, "safetensors"),
     "safetensors.safe_open": (safetensors_safe_open, "safetensors"),
     "runai-model-streamer": (runai_model_streamer, "runai_model_streamer"),

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from weightstream.bench.methods import Method, weightstream_with
+from weightstream.bench.methods import Method, weightstream_dropping, weightstream_with
 
 LIMIT_RANGE_BYTES = 64 << 20
 """Range size of the concurrent ``limit-*`` readers (the size the team's server survey used)."""
@@ -33,21 +33,6 @@ class RemoteMethod:
     load: Method
     module: str | None
     schemes: tuple[str, ...] = ("s3", "gs", "http", "https")
-
-
-def weightstream_dropping(**options: object) -> Method:
-    """weightstream.iter_weights with a consumer that touches every page of each tensor, then drops it:
-    the run's peak RSS is then the streaming window, not the checkpoint."""
-
-    def load(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        import weightstream
-        from weightstream.bench.worker import touch
-
-        for _, tensor in weightstream.iter_weights(uri, **options):
-            touch(tensor)
-        yield from ()
-
-    return load
 
 
 def runai_streamer(concurrency: int | None) -> Method:
@@ -197,6 +182,7 @@ REMOTE_METHODS: dict[str, RemoteMethod] = {
     "weightstream-32mib-requests": RemoteMethod(weightstream_with(chunk_bytes=32 << 20), None),
     "weightstream-safetensors": RemoteMethod(weightstream_with(format="safetensors"), None),
     "weightstream-256mib-dropped": RemoteMethod(weightstream_dropping(max_inflight_bytes=256 << 20), None),
+    "weightstream-layered": RemoteMethod(weightstream_dropping(format="layered"), None),
     "runai-model-streamer": RemoteMethod(runai_streamer(None), "runai_model_streamer", ("s3", "gs")),
     "runai-model-streamer-c16": RemoteMethod(runai_streamer(16), "runai_model_streamer", ("s3", "gs")),
     "runai-model-streamer-c32": RemoteMethod(runai_streamer(32), "runai_model_streamer", ("s3", "gs")),

@@ -1,7 +1,8 @@
 """One measurement in a fresh process: ``python -m weightstream.bench.worker DEVICE METHOD URI FILE...``.
 
 Prints one JSON object: seconds from the call to every tensor materialised (on the CPU:
-every 4 KiB page of it touched; on a GPU: the device synchronised), seconds to the first
+every 4 KiB page of it touched; on a GPU: the device synchronised; each tensor kept, unless the
+method's consumer drops them, as ``weightstream_dropping`` does), seconds to the first
 tensor, and peak RSS against the baseline; on a GPU also peak device bytes in use (sampled
 from the driver, so every allocator counts) and peak pinned host bytes (torch's pinned
 allocator plus weightstream's registered arenas). The CUDA context is created before the
@@ -41,12 +42,15 @@ def measure(device: str, method: str, uri: str, files: list[str]) -> dict[str, o
     on_gpu = device == "cuda"
     sampler = DeviceMemorySampler() if on_gpu else None
     baseline = _rss()
-    kept, first = [], None
+    drops = getattr(generator, "drops", False)  # the method's consumer lets go of each tensor (weightstream_dropping)
+    kept, count, first = [], 0, None
     start = time.perf_counter()
     for _, tensor in generator(uri, files):
         if not on_gpu:
             touch(tensor)
-        kept.append(tensor)
+        if not drops:
+            kept.append(tensor)
+        count += 1
         if first is None:
             first = time.perf_counter() - start
     if on_gpu:
@@ -58,7 +62,7 @@ def measure(device: str, method: str, uri: str, files: list[str]) -> dict[str, o
         "seconds": seconds,
         "first_tensor_seconds": first,
         "bytes": sum(file_sizes(uri, files)),
-        "tensors": len(kept),
+        "tensors": count,
         "baseline_rss": baseline,
         "peak_rss": _peak_rss(),
     }

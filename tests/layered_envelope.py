@@ -1,0 +1,32 @@
+"""Run in a fresh process: read a checkpoint layer by layer with a consumer that drops each layer
+before asking for the next, and print as JSON the peak RSS above the baseline and the largest layer's bytes.
+``python -m tests.layered_envelope URI PREFETCH_LAYERS``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import weightstream
+from tests.streaming_envelope import peak_rss, rss
+from weightstream.layers import group_layers
+
+
+def main(uri: str, prefetch_layers: int) -> dict:
+    _, plan, opts = weightstream.plan_load(uri, "layered", prefetch_layers=prefetch_layers)
+    largest = max(layer.nbytes for layer in group_layers(plan.tensors, opts.layer_rule))
+    layers = weightstream.iter_layers(uri, prefetch_layers=prefetch_layers)  # headers read, store opened
+    baseline = rss()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # resets VmHWM to the current RSS
+    count = total = 0
+    for _, tensors in layers:
+        for tensor in tensors.values():
+            total += tensor.numel() * tensor.element_size()
+        count += 1
+        del tensors
+    return {"baseline": baseline, "peak_above_baseline": peak_rss() - baseline, "largest_layer": largest, "layers": count, "bytes": total}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2]))))
