@@ -8,7 +8,7 @@ import json
 import sys
 
 import weightstream
-from tests.streaming_envelope import peak_rss, rss
+from tests.streaming_envelope import peak_rss, start_peak
 from weightstream.layers import group_layers
 
 
@@ -16,9 +16,7 @@ def main(uri: str, prefetch_layers: int) -> dict:
     _, plan, opts = weightstream.plan_load(uri, "layered", prefetch_layers=prefetch_layers)
     largest = max(layer.nbytes for layer in group_layers(plan.tensors, opts.layer_rule))
     layers = weightstream.iter_layers(uri, prefetch_layers=prefetch_layers)  # headers read, store opened
-    baseline = rss()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # resets VmHWM to the current RSS
+    baseline = start_peak()
     count = total = 0
     for _, tensors in layers:
         for tensor in tensors.values():

@@ -19,11 +19,17 @@ def peak_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
-def main(uri: str, window: int) -> dict:
-    stream = weightstream.iter_weights(uri, max_inflight_bytes=window)  # headers read, store opened
+def start_peak() -> int:
+    """The RSS now, from which the peak (VmHWM) is measured from here on."""
     baseline = rss()
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # resets VmHWM to the current RSS
+    return baseline
+
+
+def main(uri: str, window: int) -> dict:
+    stream = weightstream.iter_weights(uri, max_inflight_bytes=window)  # headers read, store opened
+    baseline = start_peak()
     count = total = 0
     for _, tensor in stream:
         count, total = count + 1, total + tensor.numel() * tensor.element_size()

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -155,6 +156,26 @@ def test_buffers_are_reused_layer_after_layer(tmp_path: Path, prefetch, no_leaks
     bases = [next(iter(tensors.values())).untyped_storage().data_ptr() for _, tensors in weightstream.iter_layers(uri, prefetch_layers=prefetch)]
     assert len(bases) == SHAPE.layers + 3
     assert len(set(bases)) == prefetch + 1, "prefetch_layers + 1 buffers, allocated once and reused"
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_layers_ahead_are_read_while_the_caller_works_and_no_further(tmp_path: Path, prefetch, no_leaks):
+    state, uri = llama(tmp_path)
+    read, lock = [0], threading.Lock()
+
+    def count(nbytes: int) -> None:
+        with lock:
+            read[0] += nbytes
+
+    sizes = [sum(state[name].numel() * state[name].element_size() for name in names) for _, names in expected_layers(state, SHAPE.layers)]
+    for number, (_, tensors) in enumerate(weightstream.iter_layers(uri, prefetch_layers=prefetch, chunk_bytes=64 * 1024, progress=count)):
+        ahead = sum(sizes[: number + prefetch + 1])  # this layer and the prefetched ones
+        deadline = time.monotonic() + 10
+        while read[0] < ahead and time.monotonic() < deadline:
+            time.sleep(0.005)  # the caller "works" on this layer while the next ones are read
+        with lock:
+            assert read[0] == ahead, f"holding layer {number}: {read[0]} bytes read, {ahead} expected"
+        del tensors
 
 
 @pytest.mark.parametrize("prefetch", [1, 2])
@@ -324,7 +345,7 @@ def test_abandoning_while_a_layer_is_being_read(tmp_path: Path, no_leaks):
 
 
 def test_a_file_truncated_mid_load_is_a_typed_error_and_leaks_nothing(tmp_path: Path, no_leaks):
-    state, uri = llama(tmp_path, shards=2)
+    _, uri = llama(tmp_path, shards=2)
     truncate = truncating_after_first_read(sorted(Path(uri).glob("*.safetensors")))
     with pytest.raises(weightstream.TruncatedFileError, match=r"file ends at byte \d+, expected bytes up to \d+"):
         received(weightstream.iter_layers(uri, chunk_bytes=64 * 1024, progress=truncate))
