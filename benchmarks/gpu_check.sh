@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU verification of issue 3, as one script.
+# The GPU verification (issue 3, and every CUDA path since: streaming, layered), as one script.
 #
 # Here (a machine with PyPI), once:   benchmarks/gpu_check.sh prepare
 #   downloads the peers' wheels for the device image's Python 3.12 into .whl/ (git-ignored).
 # On the lent H200 (device tool: carry [".whl"], timeout about 540 s):   benchmarks/gpu_check.sh run
 #   installs the wheels, runs every CUDA test, then `bench --device cuda` on an 8 GiB demo
-#   checkpoint, warm and cold, against safetensors, runai-model-streamer, fastsafetensors
+#   checkpoint, warm and cold (weightstream, weightstream-layered, ...), against safetensors, runai-model-streamer, fastsafetensors
 #   (nogds and GDS) and InstantTensor, with the pinned host-to-device limit.
 # Results land in $OUT (tests.log, bench-cuda-8gib.json, bench.log).
 set -uo pipefail
