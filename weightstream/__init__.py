@@ -13,11 +13,15 @@ from weightstream.errors import (
     FormatError,
     HeaderError,
     HostMemoryError,
+    IncompleteSaveError,
+    IntegrityError,
     InvalidOptionError,
     LayerInUseError,
     LoaderRegistrationError,
+    ManifestError,
     NotFound,
     OptionError,
+    SaveError,
     ShardIndexError,
     SourceChangedError,
     SourceError,
@@ -30,6 +34,7 @@ from weightstream.errors import (
 )
 from weightstream.options import LoadOptions
 from weightstream.registry import available_loaders, register_loader
+from weightstream.saver import save_sharded_state
 
 __version__ = "0.1.0"
 
@@ -40,12 +45,16 @@ __all__ = [
     "FormatError",
     "HeaderError",
     "HostMemoryError",
+    "IncompleteSaveError",
+    "IntegrityError",
     "InvalidOptionError",
     "LayerInUseError",
     "LoadOptions",
     "LoaderRegistrationError",
+    "ManifestError",
     "NotFound",
     "OptionError",
+    "SaveError",
     "ShardIndexError",
     "SourceChangedError",
     "SourceError",
@@ -62,4 +71,5 @@ __all__ = [
     "plan_load",
     "register_loader",
     "resolve_format",
+    "save_sharded_state",
 ]

@@ -54,6 +54,23 @@ class NotFound(WeightstreamError, FileNotFoundError):
     """A file or directory named by the caller or by an index does not exist."""
 
 
+class ManifestError(FormatError):
+    """A sharded-state manifest is malformed, or the files on disk disagree with it (world size,
+    missing or extra files, sizes, tensors)."""
+
+
+class IncompleteSaveError(ManifestError):
+    """A save of this rank was interrupted (or is still running): its files are not a state to load."""
+
+
+class IntegrityError(FormatError):
+    """Bytes read do not match the checksum the manifest recorded for them."""
+
+
+class SaveError(WeightstreamError, OSError):
+    """Writing a checkpoint failed (a full disk, a permission); nothing partial is left behind."""
+
+
 class SourceError(WeightstreamError, OSError):
     """Reading from a source failed with an operating-system error."""
 

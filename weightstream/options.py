@@ -11,6 +11,7 @@ from typing import Any, Union
 import torch
 
 from weightstream.errors import InvalidOptionError, OptionError
+from weightstream.formats.sharded_state import Rank
 from weightstream.layers import LayerRule, compile_rule
 from weightstream.sources.retry import RetryPolicy
 
@@ -30,7 +31,9 @@ MAX_STAGING_BYTES = 4 << 30
 LOCAL_CHUNK_BYTES = 8 * MIB
 REMOTE_CHUNK_BYTES = 64 * MIB
 LAYERED_OPTIONS = ("layer_rule", "prefetch_layers", "layer_hook", "copy_layers")
-"""Options only the ``layered`` loader honours; the others refuse them."""
+SHARDED_OPTIONS = ("rank", "world_size", "shard_pattern", "verify")
+OWNED_OPTIONS = {"layered": LAYERED_OPTIONS, "sharded-state": SHARDED_OPTIONS}
+"""Options only one loader honours (its name -> them); the other loaders refuse them."""
 DEFAULT_INFLIGHT_BYTES = 1 << 30
 """The streaming loader's window when ``max_inflight_bytes`` is not given (raised to the largest tensor)."""
 
@@ -122,6 +125,21 @@ class LoadOptions:
     progress: ProgressCallback | None = None
     """Called from reader threads with each count of bytes read. Default ``None``."""
 
+    rank: Rank | None = None
+    """The ``sharded-state`` loader: whose files to read, an ``int`` (or ``(pp_rank, tp_rank)`` for the
+    pipeline-parallel pattern). Default ``None``: ``torch.distributed``'s rank, if it is initialised."""
+
+    world_size: Rank | None = None
+    """The ``sharded-state`` loader: the world size the caller runs with, checked against the manifest
+    (``(pp_size, tp_size)`` with pipeline parallelism). Default ``None``: ``torch.distributed``'s, or the manifest's."""
+
+    shard_pattern: str | None = None
+    """The ``sharded-state`` loader: the file-name pattern of a directory without a manifest. Default ``None``:
+    ``model-rank-{rank}-part-{part}.safetensors`` (or the ``pp``/``tp`` one for a pair rank)."""
+
+    verify: bool = False
+    """The ``sharded-state`` loader: check every byte read against the manifest's checksums. Default ``False``."""
+
     layer_rule: LayerRule | None = None
     """The ``layered`` loader: which layer each tensor belongs to, a regular expression whose first group
     captures the layer number or a callable name -> layer key (see ``weightstream.layers``). Default
@@ -155,7 +173,7 @@ class LoadOptions:
                 f"staging_slots x staging_slot_bytes = {self.staging_slots} x {self.staging_slot_bytes} bytes "
                 f"exceeds the {MAX_STAGING_BYTES >> 30} GiB bound on pinned staging"
             )
-        for name in ("prefault", "zero_copy", "copy_layers"):
+        for name in ("prefault", "zero_copy", "copy_layers", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("direct_io", "huge_pages", "pin_memory", "gds"):
@@ -244,11 +262,19 @@ class LoadOptions:
         defaults = {field.name: field.default for field in dataclasses.fields(self)}
         return [name for name in names if getattr(self, name) != defaults[name]]
 
-    def refuse_layered(self, loader: str) -> None:
-        """Raise ``InvalidOptionError`` if a ``layered``-only option is set, for ``loader``, which yields tensors, not layers."""
-        changed = self.changed(LAYERED_OPTIONS)
-        if changed:
-            raise InvalidOptionError(f"{changed[0]}: only format='layered' groups tensors into layers; the {loader} loader yields tensors as they land")
+    def refuse_foreign(self, loader: str) -> None:
+        """Raise ``InvalidOptionError`` if an option that only another loader honours is set, for ``loader``.
+
+        Example:
+            >>> LoadOptions(prefetch_layers=2).refuse_foreign("safetensors")
+            Traceback (most recent call last):
+            ...
+            weightstream.errors.InvalidOptionError: prefetch_layers: an option of format='layered'; the safetensors loader does not use it
+        """
+        for owner, names in OWNED_OPTIONS.items():
+            changed = self.changed(names) if owner != loader else []
+            if changed:
+                raise InvalidOptionError(f"{changed[0]}: an option of format={owner!r}; the {loader} loader does not use it")
 
     def wants(self, name: str) -> bool:
         """Whether the filter selects tensor ``name``."""

@@ -26,6 +26,7 @@ BUILTIN_LOADERS: dict[str, str] = {
     "safetensors": "weightstream.loaders.safetensors:SafetensorsLoader",
     "streaming": "weightstream.loaders.streaming:StreamingLoader",
     "layered": "weightstream.loaders.layered:LayeredLoader",
+    "sharded-state": "weightstream.loaders.sharded_state:ShardedStateLoader",
 }
 """Built-in loaders by dotted path (``module:Class``)."""
 

@@ -24,10 +24,33 @@ def hf_sharded(state: dict[str, torch.Tensor], directory: Path) -> str:
     return str(save_hf_sharded(state, directory, shards=3))
 
 
+def sharded_state(state: dict[str, torch.Tensor], directory: Path) -> str:
+    """weightstream's save, world size 1, cut into parts of about a third of the state."""
+    import weightstream
+
+    total = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+    weightstream.save_sharded_state(state, directory, rank=0, world_size=1, max_file_bytes=max(1, total // 3))
+    return str(directory)
+
+
+def engine_sharded_state(state: dict[str, torch.Tensor], directory: Path) -> str:
+    """As vLLM's ShardedStateLoader.save_model writes it (no manifest): safetensors' save_file per part."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = list(state)
+    for part, start in enumerate(range(0, len(names), max(1, len(names) // 2))):
+        save_file({name: state[name] for name in names[start : start + max(1, len(names) // 2)]}, str(directory / f"model-rank-0-part-{part}.safetensors"))
+    return str(directory)
+
+
+GUARDED_WRITERS: frozenset[Writer] = frozenset({sharded_state})
+"""Writers whose manifest records each file: a file rewritten behind its back is refused, not read."""
+
+
 WRITERS: dict[str, list[Writer]] = {
     "safetensors": [single_file, hf_sharded],
     "streaming": [single_file, hf_sharded],
     "layered": [single_file, hf_sharded],
+    "sharded-state": [sharded_state, engine_sharded_state],
 }
 """Each loader's checkpoint writers; the conformance suite runs every loader on each of its layouts."""
 

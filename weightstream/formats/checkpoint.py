@@ -100,8 +100,10 @@ def _read_index(store: Store, index_uri: str) -> ShardIndex:
 
 
 
-def read_plan(store: Store, uri: str, wants: Callable[[str], bool], required: Collection[str] = ()) -> LoadPlan:
-    """Read every header of the checkpoint at ``uri`` and plan the tensors ``wants`` selects.
+def read_plan(
+    store: Store, uri: str, wants: Callable[[str], bool], required: Collection[str] = (), checkpoint: CheckpointFiles | None = None
+) -> LoadPlan:
+    """Read every header of the checkpoint at ``uri`` (or of ``checkpoint``'s files) and plan the tensors ``wants`` selects.
 
     ``required`` names must all exist. Headers are validated in full before anything
     else is allocated; the index (if any) must agree with the shards exactly.
@@ -112,7 +114,7 @@ def read_plan(store: Store, uri: str, wants: Callable[[str], bool], required: Co
     Example:
         >>> plan = read_plan(LocalStore(), "model.safetensors", lambda name: True)  # doctest: +SKIP
     """
-    checkpoint = find_files(store, uri)
+    checkpoint = find_files(store, uri) if checkpoint is None else checkpoint
     files, tensors, seen = [], [], {}
     # Each header is a round trip to an object store: read them side by side. map() raises the
     # error of the first failing file in checkpoint order, as reading them one by one would.

@@ -6,7 +6,7 @@ import ctypes
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -51,8 +51,22 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.
     with open(path, "wb") as file:
         file.write(header)
         for tensor in tensors.values():
-            contiguous = tensor.detach().contiguous()
-            nbytes = contiguous.numel() * contiguous.element_size()
-            if nbytes:
-                file.write(memoryview((ctypes.c_char * nbytes).from_address(contiguous.data_ptr())))
+            for piece in tensor_pieces(tensor):
+                file.write(piece)
         return file.tell()
+
+
+def tensor_pieces(tensor: torch.Tensor, piece_bytes: int = 64 << 20) -> Iterator[memoryview]:
+    """The bytes of ``tensor`` as a safetensors file stores them, in pieces of at most ``piece_bytes``
+    (copied to the CPU and made contiguous first if need be; valid while the iteration runs).
+
+    Example:
+        >>> [bytes(piece) for piece in tensor_pieces(torch.tensor([1, 2], dtype=torch.int16), piece_bytes=2)]
+        [b'\\x01\\x00', b'\\x02\\x00']
+    """
+    contiguous = tensor.detach().to("cpu").contiguous()
+    nbytes = contiguous.numel() * contiguous.element_size()
+    if nbytes:
+        view = memoryview((ctypes.c_char * nbytes).from_address(contiguous.data_ptr()))
+        for start in range(0, nbytes, piece_bytes):
+            yield view[start : start + piece_bytes]

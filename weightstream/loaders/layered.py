@@ -46,6 +46,7 @@ class LayeredLoader:
         ):
             if getattr(opts, option) not in (False, None):
                 raise InvalidOptionError(f"{option}={getattr(opts, option)!r}: {why}")
+        opts.refuse_foreign(self.name)
         if opts.gds is True:
             raise InvalidOptionError("gds=True: the layered loader reaches a GPU through the pinned staging ring, not cuFile")
         check_destination(opts.device, opts.pin_memory)

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from weightstream.errors import InvalidOptionError
-from weightstream.formats.checkpoint import read_plan
+from weightstream.formats.checkpoint import CheckpointFiles, read_plan
 from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
@@ -39,7 +39,7 @@ class SafetensorsLoader:
                 f"max_inflight_bytes: the {self.name} loader holds the whole checkpoint; "
                 f"use format='streaming' for a bounded window"
             )
-        opts.refuse_layered(self.name)
+        opts.refuse_foreign(self.name)
         check_destination(opts.device, opts.pin_memory)
         return self._stores.plan(uri, opts, lambda store: plan_checkpoint(store, uri, opts))
 
@@ -48,12 +48,13 @@ class SafetensorsLoader:
         return _read_and_close(self._stores.take(plan, opts), plan, opts)
 
 
-def plan_checkpoint(store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
-    """The plan of the safetensors checkpoint at ``uri`` in ``store`` (local or remote), options checked first."""
+def plan_checkpoint(store: Store, uri: str, opts: LoadOptions, checkpoint: CheckpointFiles | None = None) -> LoadPlan:
+    """The plan of the safetensors checkpoint at ``uri`` (or of ``checkpoint``'s files) in ``store``
+    (local or remote), options checked first."""
     if not isinstance(store, LocalStore):
         _check_remote_options(uri, opts)
     required = opts.filter if opts.filter is not None and not callable(opts.filter) else ()
-    return read_plan(store, uri, opts.wants, required)
+    return read_plan(store, uri, opts.wants, required, checkpoint)
 
 
 def _read_and_close(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:

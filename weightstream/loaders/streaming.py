@@ -35,7 +35,7 @@ class StreamingLoader:
     def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
         if opts.zero_copy:
             raise InvalidOptionError("zero_copy maps whole files: the streaming loader reads into memory of its own")
-        opts.refuse_layered(self.name)
+        opts.refuse_foreign(self.name)
         check_destination(opts.device, opts.pin_memory)
         return self._stores.plan(uri, opts, lambda store: _fits_window(plan_checkpoint(store, uri, opts), opts))
 

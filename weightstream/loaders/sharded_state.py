@@ -1,0 +1,258 @@
+"""The ``sharded-state`` loader: one rank's files of a pre-sharded checkpoint, and nothing else."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import weakref
+from collections.abc import Iterator
+from typing import ClassVar
+
+import torch
+
+from weightstream.errors import IncompleteSaveError, IntegrityError, InvalidOptionError, ManifestError, NotFound
+from weightstream.formats.checkpoint import CheckpointFiles
+from weightstream.formats.manifest import MAX_MANIFEST_BYTES, Manifest, manifest_name, new_hasher, parse_manifest, saving_marker_name
+from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank, ShardPattern, describe, in_world
+from weightstream.loaders.safetensors import plan_checkpoint
+from weightstream.loaders.stores import PlannedStores
+from weightstream.memory.devices import check_destination
+from weightstream.options import LoadOptions
+from weightstream.plan import LoadPlan
+from weightstream.reader import read_tensors
+from weightstream.sources import Store
+
+
+class ShardedStateLoader:
+    """Reads the files of one rank of a directory saved by :func:`weightstream.save_sharded_state`,
+    by vLLM's ``ShardedStateLoader.save_model`` or by SGLang's ``save_sharded_model``.
+
+    The rank comes from ``rank=`` or from ``torch.distributed``. With a manifest (ours), the world
+    size, the files and their tensors are checked against it before any tensor is read, and
+    ``verify=True`` checks every byte against its checksums as it lands; without one (the engines'
+    own saves), the files are found by ``shard_pattern``. Reads go through the core reader, so
+    every destination and I/O mode of the ``safetensors`` loader works here too.
+    """
+
+    name: ClassVar[str] = "sharded-state"
+
+    def __init__(self) -> None:
+        self._stores = PlannedStores()
+        self._manifests: dict[int, Manifest | None] = {}
+
+    def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
+        opts.refuse_foreign(self.name)
+        if opts.max_inflight_bytes is not None:
+            raise InvalidOptionError(f"max_inflight_bytes: the {self.name} loader holds its rank's whole state; use format='streaming' for a window")
+        if opts.verify and torch.device(opts.device).type == "cuda":
+            raise InvalidOptionError("verify=True checks bytes on the host: load to the CPU (or pinned memory), then move them")
+        check_destination(opts.device, opts.pin_memory)
+        rank, world_size = _rank_of(opts)
+        found: list[Manifest | None] = []
+
+        def make(store: Store) -> LoadPlan:
+            paths, manifest = rank_files(store, uri, rank, world_size, opts)
+            plan = plan_checkpoint(store, uri, opts, CheckpointFiles(files=tuple(paths)))
+            if manifest is not None:
+                _check_against_manifest(store, plan, manifest, paths)
+            found.append(manifest)
+            return plan
+
+        plan = self._stores.plan(uri, opts, make)
+        self._manifests[id(plan)] = found[0]
+        weakref.finalize(plan, self._manifests.pop, id(plan), None)
+        return plan
+
+    def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+        check_destination(opts.device, opts.pin_memory)
+        manifest = self._manifests.pop(id(plan), None)
+        if opts.verify and manifest is None:
+            raise InvalidOptionError(f"verify=True: {plan.uri} has no manifest for this rank, so no checksums to verify against")
+        return _read_and_close(self._stores.take(plan, opts), plan, opts, manifest if opts.verify else None)
+
+
+def rank_files(store: Store, uri: str, rank: Rank | None, world_size: Rank | None, opts: LoadOptions) -> tuple[list[str], Manifest | None]:
+    """The paths of ``rank``'s files in the directory ``uri``, in part order, and its manifest if it has one.
+    Without a rank (none given, no ``torch.distributed``), a directory of a single rank (a world of one) is read.
+
+    Raises:
+        IncompleteSaveError: a save of the rank was interrupted (or runs now).
+        ManifestError: the manifest is malformed, or the directory or the caller disagree with it.
+        NotFound: no file of the rank (no manifest).
+    """
+    if not store.is_dir(uri):
+        raise NotFound(f"{uri}: a sharded state is a directory; this is not one (or does not exist)")
+    if not store.lists:
+        raise InvalidOptionError(f"{uri}: the sharded-state loader lists its directory, which this store cannot")
+    names = set(store.list_names(uri))
+    if rank is None:
+        rank = _only_rank(store, uri, names, opts)
+    if saving_marker_name(rank) in names:
+        raise IncompleteSaveError(
+            f"{uri}: a save of {describe(rank)} did not finish (or is running): {saving_marker_name(rank)} is there; "
+            f"its files are no state to load, save it again"
+        )
+    if manifest_name(rank) in names:
+        manifest = _read_manifest(store, store.join(uri, manifest_name(rank)))
+        return _files_of_manifest(store, uri, names, manifest, rank, world_size, opts), manifest
+    pattern = ShardPattern(opts.shard_pattern or (PP_PATTERN if isinstance(rank, tuple) else DEFAULT_PATTERN))
+    pattern.check_rank(rank)
+    parts = {}
+    for name in names:
+        parsed = pattern.parse(name)
+        if parsed is None:
+            continue
+        if world_size is not None and not in_world(parsed[0], world_size):
+            raise ManifestError(f"{uri}: {name} belongs to {describe(parsed[0])}, outside the world size {world_size!r} this load runs with")
+        if parsed[0] == rank:
+            parts[parsed[1]] = name
+    if not parts:
+        raise NotFound(f"{uri}: no file of {describe(rank)} named like {pattern.pattern!r}, and no {manifest_name(rank)}")
+    missing = sorted(set(range(max(parts) + 1)) - set(parts))
+    if missing:
+        raise ManifestError(f"{uri}: {describe(rank)} has parts up to {max(parts)} but not part {missing[0]} ({pattern.name(rank, missing[0])})")
+    return [store.join(uri, parts[number]) for number in sorted(parts)], None
+
+
+def _rank_of(opts: LoadOptions) -> tuple[Rank, Rank | None]:
+    """The caller's rank and world size: the options', else ``torch.distributed``'s."""
+    if opts.rank is not None:
+        _check_rank_shape(opts.rank, "rank")
+        if opts.world_size is not None:
+            _check_rank_shape(opts.world_size, "world_size")
+            if not in_world(opts.rank, opts.world_size):
+                raise InvalidOptionError(f"{describe(opts.rank)} is not in a world of size {opts.world_size!r}")
+        return opts.rank, opts.world_size
+    if opts.world_size is not None:
+        raise InvalidOptionError("world_size without rank: pass rank= too (or leave both to torch.distributed)")
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return None, None
+
+
+def _only_rank(store: Store, uri: str, names: set[str], opts: LoadOptions) -> Rank:
+    """Rank 0 of a state saved for a world of one; else the caller must say which rank it is."""
+    for single, world in ((0, 1), ((0, 0), (1, 1))):
+        if manifest_name(single) in names:
+            manifest = _read_manifest(store, store.join(uri, manifest_name(single)))
+            if manifest.world_size == world:
+                return single
+    ranks = set()
+    for pattern in [ShardPattern(opts.shard_pattern)] if opts.shard_pattern else [ShardPattern(DEFAULT_PATTERN), ShardPattern(PP_PATTERN)]:
+        ranks |= {parsed[0] for parsed in map(pattern.parse, names) if parsed is not None}
+    if len(ranks) == 1 and next(iter(ranks)) in (0, (0, 0)):
+        return next(iter(ranks))
+    shown = ", ".join(describe(rank) for rank in sorted(ranks, key=str)[:4]) or "none"
+    raise InvalidOptionError(
+        f"{uri}: the sharded-state loader reads one rank's files (ranks here: {shown}): pass rank= (and world_size=), or initialise torch.distributed"
+    )
+
+
+def _check_rank_shape(value: object, what: str) -> None:
+    pair = isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    if not (pair or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)):
+        raise InvalidOptionError(f"{what} must be a non-negative integer or a (pp, tp) pair of them, got {value!r}")
+
+
+def _read_manifest(store: Store, path: str) -> Manifest:
+    with contextlib.closing(store.open(path)) as source:
+        if source.size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{path}: {source.size} bytes, over the limit of {MAX_MANIFEST_BYTES} for a manifest")
+        raw = source.read(0, source.size)
+    return parse_manifest(raw, path)
+
+
+def _files_of_manifest(store: Store, uri: str, names: set[str], manifest: Manifest, rank: Rank, world_size: Rank | None, opts: LoadOptions) -> list[str]:
+    where = store.join(uri, manifest_name(rank))
+    if manifest.rank != rank:
+        raise ManifestError(f"{where}: written for {describe(manifest.rank)}, found as {describe(rank)}'s manifest")
+    if world_size is not None and manifest.world_size != world_size:
+        raise ManifestError(f"{where}: saved for a world size of {manifest.world_size!r}; this load runs with {world_size!r}")
+    if opts.shard_pattern is not None and opts.shard_pattern != manifest.pattern:
+        raise ManifestError(f"{where}: files are named {manifest.pattern!r}, not shard_pattern={opts.shard_pattern!r}")
+    pattern = ShardPattern(manifest.pattern)
+    listed = [entry.name for entry in manifest.files]
+    missing = [name for name in listed if name not in names]
+    if missing:
+        raise ManifestError(f"{where}: lists {missing[0]}, which is not in {uri} ({len(missing)} of {len(listed)} files missing)")
+    for name in sorted(names):
+        parsed = pattern.parse(name)
+        if parsed is None:
+            continue
+        if not in_world(parsed[0], manifest.world_size):
+            raise ManifestError(f"{uri}: {name} belongs to {describe(parsed[0])}, outside the saved world size {manifest.world_size!r}")
+        if parsed[0] == rank and name not in listed:
+            raise ManifestError(f"{uri}: {name} is a file of {describe(rank)} that {where} does not list (an extra file)")
+    return [store.join(uri, name) for name in listed]
+
+
+def _check_against_manifest(store: Store, plan: LoadPlan, manifest: Manifest, paths: list[str]) -> None:
+    """The files' sizes and every tensor's place, as the manifest recorded them (checked before any read)."""
+    sizes = {spec.path: spec.size for spec in plan.files}
+    in_plan = {(spec.file, spec.name): spec for spec in plan.tensors}
+    for path, entry in zip(paths, manifest.files, strict=True):
+        if sizes[path] != entry.size:
+            raise ManifestError(f"{path}: {sizes[path]} bytes, the manifest says {entry.size} (the file changed after the save)")
+        for tensor in entry.tensors:
+            spec = in_plan.get((path, tensor.name))
+            if spec is not None and (spec.offset, spec.nbytes) != (tensor.offset, tensor.nbytes):
+                raise ManifestError(
+                    f"{path}: tensor {tensor.name!r} is at bytes {spec.offset}-{spec.end}, the manifest says {tensor.offset}-{tensor.offset + tensor.nbytes}"
+                )
+
+
+def _read_and_close(store: Store, plan: LoadPlan, opts: LoadOptions, manifest: Manifest | None) -> Iterator[tuple[str, torch.Tensor]]:
+    with contextlib.closing(store):
+        if manifest is None:
+            yield from read_tensors(store, plan, opts)
+            return
+        checksums = _checksums_by_tensor(plan, manifest)
+        _verify_headers(store, plan, manifest)
+        with contextlib.closing(read_tensors(store, plan, opts)) as tensors:
+            for name, tensor in tensors:
+                _verify_tensor(name, tensor, checksums[name], manifest.checksum)
+                yield name, tensor
+
+
+def _checksums_by_tensor(plan: LoadPlan, manifest: Manifest) -> dict[str, tuple[str, int, int, str]]:
+    """Tensor name -> (file, offset, nbytes, checksum) for every tensor of the plan."""
+    by_name = {spec.name: spec.file for spec in plan.tensors}
+    names = {path.rsplit("/", 1)[-1]: path for path in dict.fromkeys(by_name.values())}
+    found = {}
+    for entry in manifest.files:
+        for tensor in entry.tensors:
+            if tensor.name in by_name and entry.name in names:
+                found[tensor.name] = (names[entry.name], tensor.offset, tensor.nbytes, tensor.checksum)
+    unlisted = sorted(set(by_name) - set(found))
+    if unlisted:
+        raise ManifestError(f"{by_name[unlisted[0]]}: holds tensor {unlisted[0]!r}, which the manifest does not list")
+    return found
+
+
+def _verify_headers(store: Store, plan: LoadPlan, manifest: Manifest) -> None:
+    entries = {entry.name: entry for entry in manifest.files}
+    for spec in plan.files:
+        entry = entries[spec.path.rsplit("/", 1)[-1]]
+        with contextlib.closing(store.open(spec.path)) as source:
+            header = source.read(0, spec.data_offset)
+        hasher = new_hasher(manifest.checksum)
+        hasher.update(header)
+        if hasher.hexdigest() != entry.header_checksum:
+            raise IntegrityError(
+                f"{spec.path}: the header (bytes 0-{spec.data_offset}) has {manifest.checksum} {hasher.hexdigest()}, "
+                f"the manifest says {entry.header_checksum}"
+            )
+
+
+def _verify_tensor(name: str, tensor: torch.Tensor, expected: tuple[str, int, int, str], algorithm: str) -> None:
+    path, offset, nbytes, checksum = expected
+    hasher = new_hasher(algorithm)
+    if nbytes:
+        hasher.update(memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())))
+    if hasher.hexdigest() != checksum:
+        raise IntegrityError(
+            f"{path}: tensor {name!r} (bytes {offset}-{offset + nbytes}) has {algorithm} {hasher.hexdigest()}, "
+            f"the manifest says {checksum}: the file is corrupt"
+        )
