@@ -98,7 +98,7 @@ def rank_files(store: Store, uri: str, rank: Rank | None, world_size: Rank | Non
     pattern = ShardPattern(opts.shard_pattern or (PP_PATTERN if isinstance(rank, tuple) else DEFAULT_PATTERN))
     pattern.check_rank(rank)
     parts = {}
-    for name in names:
+    for name in sorted(names):
         parsed = pattern.parse(name)
         if parsed is None:
             continue
