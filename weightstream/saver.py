@@ -24,7 +24,16 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from weightstream.errors import InvalidOptionError, OptionError, SaveError
-from weightstream.formats.manifest import CHECKSUMS, FileEntry, Manifest, TensorEntry, encode_manifest, manifest_name, new_hasher, saving_marker_name
+from weightstream.formats.manifest import (
+    CHECKSUMS,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    encode_manifest,
+    manifest_name,
+    new_hasher,
+    saving_marker_name,
+)
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, Rank, ShardPattern, describe, in_world
 from weightstream.formats.writer import encode_header, tensor_pieces
 

@@ -12,7 +12,14 @@ import torch
 
 from weightstream.errors import IncompleteSaveError, IntegrityError, InvalidOptionError, ManifestError, NotFound
 from weightstream.formats.checkpoint import CheckpointFiles
-from weightstream.formats.manifest import MAX_MANIFEST_BYTES, Manifest, manifest_name, new_hasher, parse_manifest, saving_marker_name
+from weightstream.formats.manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    manifest_name,
+    new_hasher,
+    parse_manifest,
+    saving_marker_name,
+)
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank, ShardPattern, describe, in_world
 from weightstream.loaders.safetensors import plan_checkpoint
 from weightstream.loaders.stores import PlannedStores
