@@ -3,6 +3,7 @@
     weightstream inspect URI [--json]
     weightstream load URI [--json] [--format F] [--device cuda] [--pin-memory] [--threads N] [--chunk-mib M] [--prefetch-layers N] [--filter NAME ...]
     weightstream bench [URI] [--device cuda] [--size 1GiB] [--layers N] [--rounds 3] [--json] [--plot bench.png]
+    weightstream convert SRC DST --to sharded-state --tp N [--rule PATTERN=DIM ...] [--max-file-mib M] [--json]
 """
 
 from __future__ import annotations
@@ -121,6 +122,32 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from weightstream.convert import LLAMA_RULES, convert_to_sharded_state, parse_rule, split_dimension
+    from weightstream.errors import InvalidOptionError
+
+    if args.to != "sharded-state":
+        raise InvalidOptionError(f"--to {args.to!r}: the one conversion is to sharded-state")
+    rules = [parse_rule(text) for text in args.rule or []] + list(LLAMA_RULES)
+    _, plan, _ = plan_load(args.src)
+    bar = ProgressBar(label="convert") if sys.stderr.isatty() and not args.json else None
+    start = time.perf_counter()
+    # What the ranks write together: a split tensor once in all, a replicated one once per rank.
+    total = sum(spec.nbytes * (1 if split_dimension(spec.name, spec.shape, args.tp, rules) is not None else args.tp) for spec in plan.tensors)
+    with contextlib.nullcontext() if bar is None else bar.expecting(total):
+        result = convert_to_sharded_state(args.src, args.dst, tp=args.tp, rules=rules, max_file_bytes=args.max_file_mib << 20,
+                                          progress=None if bar is None else bar.advance)
+    seconds = time.perf_counter() - start
+    replicated = sorted(name for name, dimension in result["split"].items() if dimension is None)
+    summary = {"src": args.src, "dst": args.dst, "tp": args.tp, "files": result["files"], "seconds": seconds, "replicated": replicated}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {len(result['files'])} files for {args.tp} ranks into {args.dst} in {seconds:.2f} s "
+              f"({len(result['split']) - len(replicated)} tensors split, {len(replicated)} replicated)")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightstream", description="Load LLM weights at the speed of the hardware.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +189,16 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", metavar="PNG", default=None, help="also write a bar chart")
     bench.set_defaults(run=_bench)
+
+    convert = commands.add_parser("convert", help="convert a Hugging Face checkpoint into a tensor-parallel sharded state")
+    convert.add_argument("src")
+    convert.add_argument("dst")
+    convert.add_argument("--to", required=True, help="the target format: sharded-state")
+    convert.add_argument("--tp", type=int, required=True, help="tensor-parallel ranks")
+    convert.add_argument("--rule", action="append", metavar="PATTERN=DIM", help="a split rule tried before the Llama ones (DIM or 'replicate'); repeatable")
+    convert.add_argument("--max-file-mib", type=int, default=5 << 10, help="largest part file in MiB (default 5120)")
+    convert.add_argument("--json", action="store_true")
+    convert.set_defaults(run=_convert)
     return parser
 
 

@@ -19,7 +19,7 @@ import errno
 import fcntl
 import os
 import secrets
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -51,13 +51,14 @@ def save_sharded_state(
     pattern: str = DEFAULT_PATTERN,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     checksum: str = "xxh3-128",
+    progress: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Save ``state_dict`` as rank ``rank``'s files in ``directory``, atomically, manifest last.
 
     Tensors go into parts of at most ``max_file_bytes`` (a larger tensor gets a part of its own), in
     ``state_dict`` order, named by ``pattern`` (``{rank}``, or ``{pp_rank}`` and ``{tp_rank}`` with a
     ``(pp_rank, tp_rank)`` rank, and ``{part}`` from 0), as vLLM's and SGLang's ``sharded_state``
-    loaders expect. Returns the paths of the parts.
+    loaders expect. ``progress`` is called with each count of bytes written. Returns the paths of the parts.
 
     Raises:
         SaveError: writing failed (e.g. the disk is full); no temporary file is left behind.
@@ -86,7 +87,7 @@ def save_sharded_state(
         for number, tensors in enumerate(_parts(state_dict, max_file_bytes)):
             name = shards.name(rank, number)
             temporary.append(os.path.join(directory, f".{name}{TEMP_MARK}{token}"))
-            entries.append(_write_part(temporary[-1], name, tensors, checksum))
+            entries.append(_write_part(temporary[-1], name, tensors, checksum, progress))
         with _save_lock(directory, rank):
             _sweep_dead_temporaries(directory, shards, rank)
             marker = os.path.join(directory, saving_marker_name(rank))
@@ -142,7 +143,7 @@ def _parts(state_dict: Mapping[str, torch.Tensor], max_file_bytes: int) -> Itera
         yield part
 
 
-def _write_part(path: str, name: str, tensors: dict[str, torch.Tensor], checksum: str) -> FileEntry:
+def _write_part(path: str, name: str, tensors: dict[str, torch.Tensor], checksum: str, progress: Callable[[int], None] | None) -> FileEntry:
     """Write one part to ``path`` (a new file), fsync it, and describe it for the manifest."""
     header = encode_header(tensors, {"format": "pt"})
     whole, header_hash = new_hasher(checksum), new_hasher(checksum)
@@ -160,6 +161,8 @@ def _write_part(path: str, name: str, tensors: dict[str, torch.Tensor], checksum
                 whole.update(piece)
                 tensor_hash.update(piece)
                 nbytes += len(piece)
+                if progress is not None:
+                    progress(len(piece))
             entries.append(TensorEntry(tensor_name, offset, nbytes, tensor_hash.hexdigest()))
             offset += nbytes
         os.fsync(file.fileno())
