@@ -383,3 +383,15 @@ def test_the_rank_comes_from_torch_distributed(tmp_path: Path):
         assert process.returncode == 0, errors
     for rank in range(2):
         assert_same(torch.load(tmp_path / f"out-{rank}.pt"), states[rank])
+
+
+# Object stores
+
+
+@pytest.mark.slow
+def test_a_rank_of_a_state_in_an_object_store(scheme, tmp_path: Path, no_leaks):
+    from tests.test_objectstore import upload
+
+    states = save_world(tmp_path / "local", 2, 64 << 10)
+    uri = upload(scheme, tmp_path / "local", "sharded-state")
+    assert_same(weightstream.load_weights(uri, format="sharded-state", rank=1, world_size=2, verify=True), states[1])

@@ -191,6 +191,9 @@ METHODS: dict[str, tuple[Method, str | None]] = {
     "weightstream-zero-copy": (weightstream_with(zero_copy=True), None),
     "weightstream-ring-cpu": (weightstream_ring_cpu, None),
     "weightstream-layered": (weightstream_dropping(format="layered"), None),
+    # A sharded-state directory (weightstream convert): rank 0's files, unverified and verified.
+    "weightstream-rank0": (weightstream_with(format="sharded-state", rank=0), None),
+    "weightstream-rank0-verify": (weightstream_with(format="sharded-state", rank=0, verify=True), None),
     "safetensors.load_file": (safetensors_load_file, "safetensors"),
     "safetensors.safe_open": (safetensors_safe_open, "safetensors"),
     "runai-model-streamer": (runai_model_streamer, "runai_model_streamer"),

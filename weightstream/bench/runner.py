@@ -132,8 +132,8 @@ def run_bench(
                 if row.skipped:
                     continue
                 if not remote:
-                    _prepare(files, cache)
-                row.runs.append(_run_worker(worker_device, method, uri, files))
+                    prepare_cache(files, cache)
+                row.runs.append(run_worker(worker_device, method, uri, files))
                 if on_run is not None:
                     run = row.runs[-1]
                     on_run(f"round {round_number + 1}/{rounds} {cache:4s} {method:24s} {run['bytes'] / run['seconds'] / 1e9:6.2f} GB/s")
@@ -226,7 +226,8 @@ def _why_skipped(method: str, device: str) -> str | None:
     return f"{module} is not installed" if module else None
 
 
-def _prepare(files: list[str], cache: str) -> None:
+def prepare_cache(files: list[str], cache: str) -> None:
+    """Drop ``files`` from the page cache (``cold``) or read them into it (``warm``), and check that it worked."""
     for path in files:
         if cache == "cold":
             pagecache.drop(path)
@@ -238,7 +239,8 @@ def _prepare(files: list[str], cache: str) -> None:
             raise BenchmarkError(f"{path}: {resident:.0%} resident in the page cache after preparing a {cache} run; the figure would be wrong")
 
 
-def _run_worker(device: str, method: str, uri: str, files: list[str]) -> dict:
+def run_worker(device: str, method: str, uri: str, files: list[str]) -> dict:
+    """One measurement of ``method`` in a fresh process (``weightstream.bench.worker``), as its JSON."""
     command = [sys.executable, "-m", "weightstream.bench.worker", device, method, uri, *files]
     result = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     if result.returncode != 0:
