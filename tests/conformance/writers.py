@@ -33,15 +33,6 @@ def sharded_state(state: dict[str, torch.Tensor], directory: Path) -> str:
     return str(directory)
 
 
-def engine_sharded_state(state: dict[str, torch.Tensor], directory: Path) -> str:
-    """As vLLM's ShardedStateLoader.save_model writes it (no manifest): safetensors' save_file per part."""
-    directory.mkdir(parents=True, exist_ok=True)
-    names = list(state)
-    for part, start in enumerate(range(0, len(names), max(1, len(names) // 2))):
-        save_file({name: state[name] for name in names[start : start + max(1, len(names) // 2)]}, str(directory / f"model-rank-0-part-{part}.safetensors"))
-    return str(directory)
-
-
 GUARDED_WRITERS: frozenset[Writer] = frozenset({sharded_state})
 """Writers whose manifest records each file: a file rewritten behind its back is refused, not read."""
 
@@ -50,7 +41,7 @@ WRITERS: dict[str, list[Writer]] = {
     "safetensors": [single_file, hf_sharded],
     "streaming": [single_file, hf_sharded],
     "layered": [single_file, hf_sharded],
-    "sharded-state": [sharded_state, engine_sharded_state],
+    "sharded-state": [sharded_state],  # directories the engines write: tests/test_sharded_state.py
 }
 """Each loader's checkpoint writers; the conformance suite runs every loader on each of its layouts."""
 
