@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--size", type=parse_size, default=4 << 30)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join(METHODS))
+    parser.add_argument("--cache", default="cold,warm", help="page-cache states: cold,warm")
     parser.add_argument("--json", default=None, help="write the runs and medians here")
     args = parser.parse_args()
     source = demo_checkpoint(args.size, shards=4)
@@ -44,10 +46,11 @@ def main() -> None:
     rank_zero = sorted(os.path.join(sharded, name) for name in os.listdir(sharded) if name.startswith("model-rank-0-part-"))
     every_file = whole + [os.path.join(sharded, name) for name in os.listdir(sharded) if name.endswith(".safetensors")]
     targets = {"weightstream": (source, whole), "weightstream-rank0": (sharded, rank_zero), "weightstream-rank0-verify": (sharded, rank_zero)}
-    runs: dict[tuple[str, str], list[dict]] = {(method, cache): [] for method in METHODS for cache in ("cold", "warm")}
+    methods, caches = args.methods.split(","), args.cache.split(",")
+    runs: dict[tuple[str, str], list[dict]] = {(method, cache): [] for method in methods for cache in caches}
     for round_number in range(args.rounds):
-        for cache in ("cold", "warm"):
-            for method in METHODS:
+        for cache in caches:
+            for method in methods:
                 uri, files = targets[method]
                 prepare_cache(every_file if cache == "cold" else files, cache)
                 run = run_worker("cpu", method, uri, files)
