@@ -98,11 +98,13 @@ def _load(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     result = {"uri": args.uri, "format": loader.name, "device": opts.device, "tensors": count, "bytes": nbytes, "seconds": seconds,
               "gbps": nbytes / seconds / 1e9, "first_tensor_seconds": first}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"loaded {count} tensors, {nbytes / 2**30:.3f} GiB in {seconds:.3f} s: {result['gbps']:.2f} GB/s "
-              f"(first tensor after {1000 * (first or 0):.0f} ms) with the {loader.name} loader")
+    return _report(args.json, result, f"loaded {count} tensors, {nbytes / 2**30:.3f} GiB in {seconds:.3f} s: {result['gbps']:.2f} GB/s "
+                                      f"(first tensor after {1000 * (first or 0):.0f} ms) with the {loader.name} loader")
+
+
+def _report(as_json: bool, result: dict, text: str) -> int:
+    """Print ``result`` as one JSON line (``--json``) or ``text`` for people; the command's exit status."""
+    print(json.dumps(result) if as_json else text)
     return 0
 
 
@@ -140,12 +142,8 @@ def _convert(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     replicated = sorted(name for name, dimension in result["split"].items() if dimension is None)
     summary = {"src": args.src, "dst": args.dst, "tp": args.tp, "files": result["files"], "seconds": seconds, "replicated": replicated}
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"wrote {len(result['files'])} files for {args.tp} ranks into {args.dst} in {seconds:.2f} s "
-              f"({len(result['split']) - len(replicated)} tensors split, {len(replicated)} replicated)")
-    return 0
+    return _report(args.json, summary, f"wrote {len(result['files'])} files for {args.tp} ranks into {args.dst} in {seconds:.2f} s "
+                                       f"({len(result['split']) - len(replicated)} tensors split, {len(replicated)} replicated)")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -92,11 +92,19 @@ def _refuse_pickle(uri: str) -> None:
 
 
 def _read_index(store: Store, index_uri: str) -> ShardIndex:
-    with contextlib.closing(store.open(index_uri)) as source:
-        if source.size > MAX_INDEX_BYTES:
-            raise ShardIndexError(f"{index_uri}: {source.size} bytes, over the limit of {MAX_INDEX_BYTES} for an index")
-        raw = source.read(0, source.size)
-    return parse_index(raw, index_uri)
+    return parse_index(read_small_file(store, index_uri, MAX_INDEX_BYTES, ShardIndexError, "an index"), index_uri)
+
+
+def read_small_file(store: Store, uri: str, limit: int, error: type[FormatError], what: str) -> bytes:
+    """The whole of a small file (an index, a manifest): ``error`` if it is over ``limit`` bytes.
+
+    Example:
+        >>> read_small_file(LocalStore(), "model.safetensors.index.json", 1 << 20, ShardIndexError, "an index")  # doctest: +SKIP
+    """
+    with contextlib.closing(store.open(uri)) as source:
+        if source.size > limit:
+            raise error(f"{uri}: {source.size} bytes, over the limit of {limit} for {what}")
+        return source.read(0, source.size)
 
 
 

@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 
 from weightstream.errors import IncompleteSaveError, IntegrityError, InvalidOptionError, ManifestError, NotFound
-from weightstream.formats.checkpoint import CheckpointFiles
+from weightstream.formats.checkpoint import CheckpointFiles, read_small_file
 from weightstream.formats.manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
@@ -164,11 +164,7 @@ def _check_rank_shape(value: object, what: str) -> None:
 
 
 def _read_manifest(store: Store, path: str) -> Manifest:
-    with contextlib.closing(store.open(path)) as source:
-        if source.size > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{path}: {source.size} bytes, over the limit of {MAX_MANIFEST_BYTES} for a manifest")
-        raw = source.read(0, source.size)
-    return parse_manifest(raw, path)
+    return parse_manifest(read_small_file(store, path, MAX_MANIFEST_BYTES, ManifestError, "a manifest"), path)
 
 
 def _files_of_manifest(store: Store, uri: str, names: set[str], manifest: Manifest, rank: Rank, world_size: Rank | None, opts: LoadOptions) -> list[str]:
