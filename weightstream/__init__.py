@@ -6,6 +6,7 @@ Example:
 """
 
 from weightstream.api import iter_layers, iter_weights, load_weights, plan_load, resolve_format
+from weightstream.distributed_reader import DistributedStats
 from weightstream.errors import (
     BenchmarkError,
     DeviceMemoryError,
@@ -21,6 +22,7 @@ from weightstream.errors import (
     ManifestError,
     NotFound,
     OptionError,
+    PeerError,
     SaveError,
     ShardIndexError,
     SourceChangedError,
@@ -42,6 +44,7 @@ __all__ = [
     "BenchmarkError",
     "DeviceMemoryError",
     "DeviceUnavailableError",
+    "DistributedStats",
     "FormatError",
     "HeaderError",
     "HostMemoryError",
@@ -54,6 +57,7 @@ __all__ = [
     "ManifestError",
     "NotFound",
     "OptionError",
+    "PeerError",
     "SaveError",
     "ShardIndexError",
     "SourceChangedError",

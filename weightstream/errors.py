@@ -100,6 +100,10 @@ class LayerInUseError(WeightstreamError, RuntimeError):
     the tensors of the layers it holds (keep copies, or pass ``copy_layers=True``)."""
 
 
+class PeerError(WeightstreamError, RuntimeError):
+    """A distributed load lost a peer: another rank failed, stopped early, was killed, or planned another load."""
+
+
 class HostMemoryError(WeightstreamError, MemoryError):
     """Host memory for the tensors could not be allocated."""
 

@@ -32,7 +32,8 @@ LOCAL_CHUNK_BYTES = 8 * MIB
 REMOTE_CHUNK_BYTES = 64 * MIB
 LAYERED_OPTIONS = ("layer_rule", "prefetch_layers", "layer_hook", "copy_layers")
 SHARDED_OPTIONS = ("rank", "world_size", "shard_pattern", "verify")
-OWNED_OPTIONS = {"layered": LAYERED_OPTIONS, "sharded-state": SHARDED_OPTIONS}
+DISTRIBUTED_OPTIONS = ("process_group", "stats")
+OWNED_OPTIONS = {"layered": LAYERED_OPTIONS, "sharded-state": SHARDED_OPTIONS, "distributed": DISTRIBUTED_OPTIONS}
 """Options only one loader honours (its name -> them); the other loaders refuse them."""
 DEFAULT_INFLIGHT_BYTES = 1 << 30
 """The streaming loader's window when ``max_inflight_bytes`` is not given (raised to the largest tensor)."""
@@ -139,6 +140,14 @@ class LoadOptions:
 
     verify: bool = False
     """The ``sharded-state`` loader: check every byte read against the manifest's checksums. Default ``False``."""
+
+    process_group: Any = None
+    """The ``distributed`` loader: the ``torch.distributed`` process group whose ranks share the load
+    (gloo, CPU tensors). Default ``None``: the default group."""
+
+    stats: Any = None
+    """The ``distributed`` loader: a ``weightstream.DistributedStats`` to fill in (bytes read from storage,
+    received, sent; seconds waiting for reads and sharing). Default ``None``."""
 
     layer_rule: LayerRule | None = None
     """The ``layered`` loader: which layer each tensor belongs to, a regular expression whose first group

@@ -27,6 +27,7 @@ BUILTIN_LOADERS: dict[str, str] = {
     "streaming": "weightstream.loaders.streaming:StreamingLoader",
     "layered": "weightstream.loaders.layered:LayeredLoader",
     "sharded-state": "weightstream.loaders.sharded_state:ShardedStateLoader",
+    "distributed": "weightstream.loaders.distributed:DistributedLoader",
 }
 """Built-in loaders by dotted path (``module:Class``)."""
 

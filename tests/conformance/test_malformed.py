@@ -16,6 +16,7 @@ from safetensors.torch import save as safetensors_save
 
 import weightstream
 from tests.conformance.test_round_trip import CASES
+from tests.conformance.writers import running
 from tests.conftest import assert_same
 from weightstream.errors import HeaderError, NotFound, ShardIndexError, TruncatedFileError, UnsupportedInputError
 
@@ -60,7 +61,8 @@ def checkpoint(request, tmp_path: Path, tiny_state):
     name, writer = request.param
     uri = writer(tiny_state, tmp_path / "ckpt")
     first = sorted(Path(uri).glob("*.safetensors"))[0] if Path(uri).is_dir() else Path(uri)
-    return name, uri, first
+    with running(name, tmp_path):
+        yield name, uri, first
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))

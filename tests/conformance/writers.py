@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -42,12 +43,14 @@ WRITERS: dict[str, list[Writer]] = {
     "streaming": [single_file, hf_sharded],
     "layered": [single_file, hf_sharded],
     "sharded-state": [sharded_state],  # directories the engines write: tests/test_sharded_state.py
+    "distributed": [single_file, hf_sharded],  # as a group of one here; several ranks: tests/test_distributed.py
 }
 """Each loader's checkpoint writers; the conformance suite runs every loader on each of its layouts."""
 
 REFUSED_OPTIONS: dict[str, frozenset[str]] = {
     "streaming": frozenset({"zero_copy"}),  # it reads into a bounded window of its own memory, not file mappings
     "layered": frozenset({"zero_copy"}),  # it reads into buffers it reuses, not file mappings
+    "distributed": frozenset({"zero_copy"}),  # each rank reads a share into memory of its own
 }
 """Options a loader refuses by design; the conformance suite checks the refusal instead of the load."""
 
@@ -56,6 +59,21 @@ KEEPING_OPTIONS: dict[str, dict[str, object]] = {
     "layered": {"copy_layers": True},  # its tensors are views of reused buffers unless copied
 }
 """Options a caller that keeps every tensor ``iter_weights`` yields must pass to each loader."""
+
+
+@contextlib.contextmanager
+def running(name: str, directory: Path) -> Iterator[None]:
+    """What loader ``name`` needs around it: the distributed loader, a torch.distributed group (of one)."""
+    if name != "distributed":
+        yield
+        return
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{directory / '.rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def refuses(name: str, options: dict, uri: str) -> bool:

@@ -1,0 +1,61 @@
+"""One rank of a distributed-load test: ``python -m tests.distributed_rank INIT RANK WORLD URI MODE [VICTIM]``.
+
+Modes: ``load`` (every tensor, compared with a single-process load), ``filter`` (only layer 1),
+``kill`` / ``abandon`` / ``fail`` / ``other-filter`` (rank VICTIM is killed after its first tensor,
+stops iterating, has a read fail, or plans another load; the others must raise). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import weightstream
+
+
+def main(init: str, rank: int, world: int, uri: str, mode: str, victim: int) -> dict:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    stats = weightstream.DistributedStats()
+    options: dict = {"stats": stats, "chunk_bytes": 256 << 10, "threads": 3}
+    wanted = (lambda name: ".layers.1." in name) if mode == "filter" else None
+    if wanted is not None:
+        options["filter"] = wanted
+    me = rank == victim
+    if me and mode == "other-filter":
+        options["filter"] = lambda name: ".layers.0." in name
+    if me and mode == "fail":
+        def fail(nbytes: int) -> None:
+            raise OSError(5, "injected read failure")
+        options["progress"] = fail
+    result: dict = {"rank": rank}
+    start = time.perf_counter()
+    try:
+        loaded = {}
+        for name, tensor in weightstream.iter_weights(uri, format="distributed", **options):
+            loaded[name] = tensor
+            if me and mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if me and mode == "abandon":
+                break
+        reference = weightstream.load_weights(uri, filter=wanted)
+        result["bit_exact"] = loaded.keys() == reference.keys() and all(torch.equal(loaded[n].view(torch.uint8), reference[n].view(torch.uint8)) for n in reference)
+        result["tensors"] = len(loaded)
+    except weightstream.WeightstreamError as error:
+        result["error"] = [type(error).__name__, str(error)]
+    except OSError as error:
+        result["error"] = [type(error).__name__, str(error)]
+    result["seconds"] = time.perf_counter() - start
+    result["stats"] = vars(stats)
+    print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], int(sys.argv[6]) if len(sys.argv) > 6 else -1)

@@ -1,0 +1,99 @@
+"""The distributed loader across real processes (gloo over loopback): bit-exact results on every
+rank, storage bytes read once in all, uneven and extreme tensor sizes, filters, and failures of
+one rank (killed, stopping early, a read error, another plan) raising on the others, promptly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import weightstream
+from tests.conftest import save_hf_sharded
+from weightstream.bench.demo import LlamaShape, llama_state_dict
+
+ROOT = Path(__file__).parent.parent
+SHAPE = LlamaShape(hidden=256, intermediate=704, layers=3, vocab=1001)  # an odd vocabulary: sizes do not divide evenly
+
+
+def run_ranks(tmp_path: Path, world: int, uri: str, mode: str = "load", victim: int = -1) -> list[dict]:
+    init = f"file://{tmp_path / 'rendezvous'}"
+    processes = [subprocess.Popen([sys.executable, "-m", "tests.distributed_rank", init, str(rank), str(world), uri, mode, str(victim)],
+                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    results = []
+    for rank, process in enumerate(processes):
+        output, errors = process.communicate(timeout=120)
+        if rank == victim and mode == "kill":
+            assert process.returncode == -9
+            continue
+        assert process.returncode == 0, errors[-3000:]
+        results.append(json.loads(output.strip().splitlines()[-1]))
+    return results
+
+
+def checkpoint(tmp_path: Path, state: dict[str, torch.Tensor] | None = None) -> tuple[str, int]:
+    state = state if state is not None else llama_state_dict(SHAPE)
+    return str(save_hf_sharded(state, tmp_path / "ckpt", shards=2)), sum(t.numel() * t.element_size() for t in state.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_gets_every_tensor_bit_exact_and_storage_is_read_once(tmp_path: Path, world):
+    uri, total = checkpoint(tmp_path)
+    results = run_ranks(tmp_path, world, uri)
+    assert all(r.get("bit_exact") for r in results), results
+    assert sum(r["stats"]["read_bytes"] for r in results) == total, "the ranks together read the checkpoint once"
+    shares = [r["stats"]["read_bytes"] for r in results]
+    assert max(shares) - min(shares) <= 256 << 10, f"unbalanced shares {shares}"
+    assert all(r["stats"]["read_bytes"] + r["stats"]["received_bytes"] == total for r in results)
+
+
+@pytest.mark.slow
+def test_tiny_tensors_one_huge_tensor_and_a_filter(tmp_path: Path):
+    state = {f"model.layers.0.tiny.{n}": torch.tensor([n], dtype=torch.int8) for n in range(40)}
+    state["model.layers.1.huge"] = torch.randn(3_000_001)  # one tensor of many chunks
+    state["model.layers.1.empty"] = torch.empty(0, 4)
+    uri, total = checkpoint(tmp_path, state)
+    results = run_ranks(tmp_path, 3, uri)
+    assert all(r.get("bit_exact") for r in results), results
+    assert sum(r["stats"]["read_bytes"] for r in results) == total
+    filtered = run_ranks(tmp_path, 2, uri, "filter")
+    assert all(r.get("bit_exact") and r["tensors"] == 2 for r in filtered), filtered
+    assert sum(r["stats"]["read_bytes"] for r in filtered) == 3_000_001 * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("kill", r"lost a peer while loading .* Connection reset by peer"),
+        ("abandon", r"another rank stopped while loading .* its own error says why"),
+        ("fail", r"another rank stopped while loading"),
+        ("other-filter", r"the ranks planned different loads"),
+    ],
+)
+def test_one_rank_failing_makes_the_others_raise_promptly(tmp_path: Path, mode, message):
+    import re
+
+    uri, _ = checkpoint(tmp_path)
+    results = run_ranks(tmp_path, 3, uri, mode, victim=1)
+    others = [r for r in results if r["rank"] != 1]
+    assert len(others) == 2
+    for result in others:
+        assert result.get("error") and result["error"][0] == "PeerError" and re.search(message, result["error"][1]), result
+        assert result["seconds"] < 30, "a peer's failure must not wait for the group's 60 s timeout"
+    if mode == "fail":
+        (victim,) = [r for r in results if r["rank"] == 1]
+        assert victim["error"][1].endswith("injected read failure")
+
+
+def test_the_loader_needs_torch_distributed(tmp_path: Path, no_leaks):
+    uri, _ = checkpoint(tmp_path)
+    with pytest.raises(weightstream.InvalidOptionError, match=r"needs torch.distributed initialised"):
+        weightstream.iter_weights(uri, format="distributed")
+    with pytest.raises(weightstream.InvalidOptionError, match=r"lands tensors on the CPU \(gloo\); NCCL to GPUs is not built yet"):
+        weightstream.iter_weights(uri, format="distributed", device="cuda")

@@ -1,0 +1,199 @@
+"""The distributed reader: each rank reads a share of the checkpoint, and every rank gets all of it.
+
+The plan's read requests (chunks of up to ``chunk_bytes``, laid out as the host reader lays out
+each file) are owned by ranks: each chunk by the rank with the fewest bytes so far, so the shares
+differ by at most one chunk and every rank computes the same assignment. A rank's reader threads
+read its own chunks, ahead and in order, straight into the destination memory. All ranks then walk
+the chunks in order: one ``all_reduce(MAX)`` of a status integer, then a ``broadcast`` from the
+chunk's owner that lands the bytes in place on the others; reading later chunks overlaps sharing
+earlier ones. A tensor is yielded once its chunks have arrived.
+
+Failures: a rank whose read fails, or whose caller stops iterating, contributes 1 to the next
+status, and every other rank raises ``PeerError`` at once; a killed rank's peers see its
+connections reset; a rank that hangs is bounded by the process group's timeout. Every rank first
+checks that all planned the same load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from weightstream.errors import PeerError
+from weightstream.memory.host import HostArena
+from weightstream.options import LoadOptions
+from weightstream.plan import FileLayout, LoadPlan, layout_file
+from weightstream.reading import Waiting, buffer_tensor, open_checked, read_request, start_readers, wants_huge_pages
+from weightstream.sources.base import Source, Store
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One read request of one file, and the rank (in the group) that reads it from storage."""
+
+    file: int
+    request: int
+    nbytes: int
+    owner: int
+
+
+@dataclasses.dataclass
+class DistributedStats:
+    """What one rank's load did; pass one as ``stats=`` and read it afterwards.
+
+    Example:
+        >>> stats = DistributedStats()
+        >>> stats.read_bytes, stats.received_bytes
+        (0, 0)
+    """
+
+    read_bytes: int = 0
+    """Bytes this rank read from storage."""
+    received_bytes: int = 0
+    """Bytes this rank received from its peers."""
+    sent_bytes: int = 0
+    """Bytes of its own reads this rank broadcast."""
+    read_wait_seconds: float = 0.0
+    """Time spent waiting for this rank's own reads to land."""
+    share_seconds: float = 0.0
+    """Time spent in the status and broadcast collectives."""
+
+
+def assign_chunks(layouts: list[FileLayout], world_size: int) -> list[Chunk]:
+    """Every request of every file, in file order, each owned by the rank with the fewest bytes so far.
+
+    Example:
+        >>> import torch
+        >>> from weightstream.plan import TensorSpec
+        >>> layout = layout_file([TensorSpec("w", torch.uint8, (5 * 4096,), "f", 0, 5 * 4096)], 4096)
+        >>> [chunk.owner for chunk in assign_chunks([layout], 2)]
+        [0, 1, 0, 1, 0]
+    """
+    load = [0] * world_size
+    chunks = []
+    for file_number, layout in enumerate(layouts):
+        for request_number, request in enumerate(layout.requests):
+            owner = min(range(world_size), key=lambda rank: (load[rank], rank))
+            load[owner] += request.nbytes
+            chunks.append(Chunk(file_number, request_number, request.nbytes, owner))
+    return chunks
+
+
+def read_distributed(
+    store: Store, plan: LoadPlan, opts: LoadOptions, group: Any, *, pinned: bool, stats: DistributedStats | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of ``plan`` on this rank of ``group``, having read only this rank's share.
+
+    Example:
+        >>> for name, tensor in read_distributed(store, plan, LoadOptions(), None, pinned=False):  # doctest: +SKIP
+        ...     model[name].copy_(tensor)
+    """
+    import torch.distributed as dist
+
+    stats = stats if stats is not None else DistributedStats()
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    layouts = [layout_file(plan.tensors_of(spec.path), opts.request_bytes(plan.uri)) for spec in plan.files]
+    layouts = [layout for layout in layouts if layout.tensor_offsets]
+    chunks = assign_chunks(layouts, world_size)
+    _check_same_plan(plan, chunks, group)
+    files = {spec.path: spec for spec in plan.files}
+    with contextlib.ExitStack() as cleanup:
+        sources = [cleanup.enter_context(open_checked(store, files[layout.file], opts)) for layout in layouts]
+        arenas = [HostArena(layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=pinned) for layout, source in zip(layouts, sources, strict=True)]
+        cleanup.callback(arenas.clear)  # registered first: emptied after the readers stopped writing
+        peers = _Peers(group)
+        cleanup.callback(peers.leave)  # runs after the readers stopped: tells the peers if this rank leaves early
+        readers, stop, futures = start_readers(cleanup, opts)
+        own = {}
+        for number, chunk in enumerate(chunks):
+            if chunk.owner == rank:
+                request = layouts[chunk.file].requests[chunk.request]
+                own[number] = readers.submit(_read, sources[chunk.file], request, arenas[chunk.file], stop, opts)
+                futures[own[number]] = number
+        waiting = [Waiting(layout) for layout in layouts]
+        for file_number, tensors in enumerate(waiting):
+            for tensor_number in tensors.ready_without_reads():
+                yield buffer_tensor(layouts[file_number], arenas[file_number].bytes, tensor_number)
+        for number, chunk in enumerate(chunks):
+            if chunk.owner == rank:
+                started = time.perf_counter()
+                own.pop(number).result()
+                stats.read_wait_seconds += time.perf_counter() - started
+                stats.read_bytes += chunk.nbytes
+            request = layouts[chunk.file].requests[chunk.request]
+            started = time.perf_counter()
+            peers.share(arenas[chunk.file].bytes[request.dest_offset : request.dest_offset + request.nbytes], chunk.owner, number, len(chunks), plan.uri)
+            stats.share_seconds += time.perf_counter() - started
+            if chunk.owner == rank:
+                stats.sent_bytes += chunk.nbytes
+            else:
+                stats.received_bytes += chunk.nbytes
+            for tensor_number in waiting[chunk.file].request_done(chunk.request):
+                yield buffer_tensor(layouts[chunk.file], arenas[chunk.file].bytes, tensor_number)
+        peers.finished = True
+
+
+class _Peers:
+    """The collectives of one load: a status round and a broadcast per chunk, and leaving early."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._group = group
+        self._status = torch.zeros(1, dtype=torch.int32)
+        self.finished = False
+        self._between_chunks = True  # the peers' next collective is a status round
+
+    def share(self, view: torch.Tensor, owner: int, number: int, count: int, uri: str) -> None:
+        """The status round, then ``view`` broadcast from ``owner`` (its bytes land in place here)."""
+        self._status.fill_(0)
+        self._between_chunks = False
+        try:
+            self._dist.all_reduce(self._status, op=self._dist.ReduceOp.MAX, group=self._group)
+            if self._status.item():
+                self.finished = True  # a peer left: no collective follows
+                raise PeerError(f"another rank stopped while loading {uri} (before chunk {number} of {count}); its own error says why")
+            self._dist.broadcast(view, src=self._dist.get_global_rank(self._group, owner) if self._group is not None else owner, group=self._group)
+        except RuntimeError as error:
+            if isinstance(error, PeerError):
+                raise
+            self.finished = True
+            raise PeerError(f"lost a peer while loading {uri} (chunk {number} of {count}): {str(error).splitlines()[0]}") from None
+        self._between_chunks = True
+
+    def leave(self) -> None:
+        """Leaving before the end: tell the peers in the status round they wait in (when they wait in one)."""
+        if self.finished or not self._between_chunks:
+            return
+        self._status.fill_(1)
+        with contextlib.suppress(RuntimeError):  # the peers may be gone already
+            self._dist.all_reduce(self._status, op=self._dist.ReduceOp.MAX, group=self._group)
+
+
+def _check_same_plan(plan: LoadPlan, chunks: list[Chunk], group: Any) -> None:
+    """Every rank must have planned the same chunks of the same files (same checkpoint, same filter)."""
+    import torch.distributed as dist
+    import xxhash
+
+    digest = xxhash.xxh3_64_intdigest(repr([(spec.path.rsplit("/", 1)[-1], spec.size) for spec in plan.files] + [dataclasses.astuple(c) for c in chunks]).encode())
+    digest >>= 1  # 63 bits: it and its negation fit an int64
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)  # the largest digest, and minus the smallest
+    if int(extremes[0]) != digest or int(extremes[1]) != -digest:
+        raise PeerError(f"{plan.uri}: the ranks planned different loads (other files, sizes or filters); every rank must load the same")
+
+
+def _read(source: Source, request: Any, arena: HostArena, stop: Any, opts: LoadOptions) -> None:
+    if stop.is_set():
+        return
+    if opts.prefault:
+        arena.populate(request.dest_offset, request.nbytes)
+    read_request(source, request, arena.view, request.dest_offset)
+    if opts.progress is not None:
+        opts.progress(request.nbytes)

@@ -1,0 +1,65 @@
+"""The ``distributed`` loader: the ranks of a process group each read a share, and share it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from weightstream.distributed_reader import DistributedStats, read_distributed
+from weightstream.errors import InvalidOptionError
+from weightstream.loaders.safetensors import plan_checkpoint
+from weightstream.loaders.stores import PlannedStores
+from weightstream.memory.devices import check_destination
+from weightstream.options import LoadOptions
+from weightstream.plan import LoadPlan
+from weightstream.sources import Store
+
+
+class DistributedLoader:
+    """Every rank of ``process_group`` (default: the default group) calls it on the same checkpoint:
+    each reads about 1/N of the bytes from storage (local files on a shared filesystem, S3, GCS,
+    HTTP), and the chunks are broadcast so that every rank ends with every tensor, bit-identical to
+    a single-process load. CPU destinations over gloo."""
+
+    name: ClassVar[str] = "distributed"
+
+    def __init__(self) -> None:
+        self._stores = PlannedStores()
+
+    def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
+        opts.refuse_foreign(self.name)
+        for option, why in (("zero_copy", "maps whole files; each rank here reads only its share"),
+                            ("max_inflight_bytes", "every rank holds the whole checkpoint; use format='streaming' for a window")):
+            if getattr(opts, option) not in (False, None):
+                raise InvalidOptionError(f"{option}={getattr(opts, option)!r}: {why}")
+        if torch.device(opts.device).type != "cpu":
+            raise InvalidOptionError(f"device {opts.device!r}: the distributed loader lands tensors on the CPU (gloo); NCCL to GPUs is not built yet")
+        if opts.stats is not None and not isinstance(opts.stats, DistributedStats):
+            raise InvalidOptionError(f"stats must be a weightstream.DistributedStats, got {type(opts.stats).__name__}")
+        check_destination(opts.device, opts.pin_memory)
+        _group_of(opts)
+        return self._stores.plan(uri, opts, lambda store: plan_checkpoint(store, uri, opts))
+
+    def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+        pinned = check_destination(opts.device, opts.pin_memory)
+        return _read_and_close(self._stores.take(plan, opts), plan, opts, _group_of(opts), pinned)
+
+
+def _group_of(opts: LoadOptions) -> Any:
+    """The process group of the load (None: the default group), once it is known to be usable."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise InvalidOptionError("the distributed loader needs torch.distributed initialised (init_process_group) on every rank")
+    backend = dist.get_backend(opts.process_group)
+    if backend != "gloo":
+        raise InvalidOptionError(f"the distributed loader shares CPU tensors over gloo; the process group's backend is {backend!r}")
+    return opts.process_group
+
+
+def _read_and_close(store: Store, plan: LoadPlan, opts: LoadOptions, group: Any, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    with contextlib.closing(store):
+        yield from read_distributed(store, plan, opts, group, pinned=pinned, stats=opts.stats)
