@@ -54,7 +54,7 @@ def test_bad_values(kwargs, error, message):
 
 
 def test_unknown_option_lists_known_ones():
-    with pytest.raises(OptionError, match=r"unknown option\(s\) nthreads; known options: chunk_bytes, copy_layers, deadline_s, device, direct_io, filter, gds, huge_pages, layer_hook, layer_rule, max_inflight_bytes, pin_memory, prefault, prefetch_layers, progress, rank, request_timeout_s, retries, shard_pattern, staging_slot_bytes, staging_slots, storage_options, threads, verify, world_size, zero_copy"):
+    with pytest.raises(OptionError, match=r"unknown option\(s\) nthreads; known options: chunk_bytes, copy_layers, deadline_s, device, direct_io, filter, gds, huge_pages, layer_hook, layer_rule, max_inflight_bytes, pin_memory, prefault, prefetch_layers, process_group, progress, rank, request_timeout_s, retries, shard_pattern, staging_slot_bytes, staging_slots, stats, storage_options, threads, verify, world_size, zero_copy"):
         LoadOptions.from_kwargs(nthreads=2)
 
 

@@ -43,7 +43,7 @@ WRITERS: dict[str, list[Writer]] = {
     "streaming": [single_file, hf_sharded],
     "layered": [single_file, hf_sharded],
     "sharded-state": [sharded_state],  # directories the engines write: tests/test_sharded_state.py
-    "distributed": [single_file, hf_sharded],  # as a group of one here; several ranks: tests/test_distributed.py
+    "distributed": [single_file],  # as a group of one here; several ranks and shards: tests/test_distributed.py
 }
 """Each loader's checkpoint writers; the conformance suite runs every loader on each of its layouts."""
 
