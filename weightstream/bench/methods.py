@@ -207,6 +207,9 @@ METHODS: dict[str, tuple[Method, str | None]] = {
 
 METHODS_BY_DEVICE = {"cpu": METHODS, "cuda": CUDA_METHODS}
 
+SHARDED_STATE_METHODS = frozenset({"weightstream-rank0", "weightstream-rank0-verify"})
+"""Methods that read a sharded-state directory (benchmarks/sharded_state_bench.py): run only when named."""
+
 
 def missing_module(method: str, device: str = "cpu") -> str | None:
     """The module ``method`` needs that is not installed, if any."""

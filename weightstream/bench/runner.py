@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
-from weightstream.bench.methods import METHODS_BY_DEVICE, missing_module
+from weightstream.bench.methods import METHODS_BY_DEVICE, SHARDED_STATE_METHODS, missing_module
 from weightstream.bench.remote_methods import REMOTE_METHODS, remote_skip_reason
 from weightstream.bench.worker import REMOTE, file_sizes
 from weightstream.errors import BenchmarkError, DeviceUnavailableError, InvalidOptionError
@@ -113,7 +113,7 @@ def run_bench(
     if remote and device != "cpu":
         raise InvalidOptionError(f"bench of an object-store checkpoint lands tensors on the CPU; --device {device} is for local files")
     known = REMOTE_METHODS if remote else METHODS_BY_DEVICE[device]
-    methods = list(known) if methods is None else list(methods)
+    methods = [m for m in known if m not in SHARDED_STATE_METHODS] if methods is None else list(methods)
     if remote:
         caches = (SERVER_CACHE,)  # the server's page cache is its own; the worker does not control it
     unknown = [m for m in methods if m not in known] + [c for c in caches if c not in (*CACHES, SERVER_CACHE)]
