@@ -28,8 +28,8 @@ from weightstream.errors import PeerError
 from weightstream.memory.host import HostArena
 from weightstream.options import LoadOptions
 from weightstream.plan import FileLayout, LoadPlan, layout_file
-from weightstream.reading import Waiting, buffer_tensor, open_checked, read_request, start_readers, wants_huge_pages
-from weightstream.sources.base import Source, Store
+from weightstream.reading import Waiting, buffer_tensor, open_checked, read_into_arena, start_readers, wants_huge_pages
+from weightstream.sources.base import Store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,7 @@ def read_distributed(
         for number, chunk in enumerate(chunks):
             if chunk.owner == rank:
                 request = layouts[chunk.file].requests[chunk.request]
-                own[number] = readers.submit(_read, sources[chunk.file], request, arenas[chunk.file], stop, opts)
+                own[number] = readers.submit(read_into_arena, sources[chunk.file], request, arenas[chunk.file], stop, opts)
                 futures[own[number]] = number
         waiting = [Waiting(layout) for layout in layouts]
         for file_number, tensors in enumerate(waiting):
@@ -188,12 +188,3 @@ def _check_same_plan(plan: LoadPlan, chunks: list[Chunk], group: Any) -> None:
     if int(extremes[0]) != digest or int(extremes[1]) != -digest:
         raise PeerError(f"{plan.uri}: the ranks planned different loads (other files, sizes or filters); every rank must load the same")
 
-
-def _read(source: Source, request: Any, arena: HostArena, stop: Any, opts: LoadOptions) -> None:
-    if stop.is_set():
-        return
-    if opts.prefault:
-        arena.populate(request.dest_offset, request.nbytes)
-    read_request(source, request, arena.view, request.dest_offset)
-    if opts.progress is not None:
-        opts.progress(request.nbytes)

@@ -39,8 +39,8 @@ from weightstream.layers import Layer
 from weightstream.memory.host import HostArena, view_as
 from weightstream.memory.ring import StagingRing
 from weightstream.options import LoadOptions
-from weightstream.plan import PAGE, FileLayout, LoadPlan, ReadRequest, TensorSpec, layout_file
-from weightstream.reading import THREAD_NAME_PREFIX, open_checked, read_request, start_readers, wants_huge_pages
+from weightstream.plan import PAGE, FileLayout, LoadPlan, TensorSpec, layout_file
+from weightstream.reading import THREAD_NAME_PREFIX, open_checked, read_into_arena, start_readers, wants_huge_pages
 from weightstream.sources.base import Source, Store
 from weightstream.staged_reader import Staging, stage_request
 
@@ -123,7 +123,7 @@ def read_layers(
             for part in layouts[number].parts:
                 for request in part.layout.requests:
                     if ring is None:
-                        read = readers.submit(_read_into_host, sources[part.file], request, buffers.arena(buffer), part.base, stop, opts)
+                        read = readers.submit(read_into_arena, sources[part.file], request, buffers.arena(buffer), stop, opts, part.base)
                     else:
                         target = buffers.bytes(buffer)[part.base : part.base + part.layout.buffer_bytes]
                         read = readers.submit(stage_request, sources[part.file], request, target, ring, stop, opts)
@@ -284,17 +284,6 @@ class _HeldLayers:
 
     def _released(self) -> int:
         return sum(release is None or not release.alive for _, release in self._layers)
-
-
-def _read_into_host(source: Source, request: ReadRequest, arena: HostArena, base: int, stop: threading.Event, opts: LoadOptions) -> None:
-    if stop.is_set():
-        return
-    at = base + request.dest_offset
-    if opts.prefault:
-        arena.populate(at, request.nbytes)
-    read_request(source, request, arena.view, at)
-    if opts.progress is not None:
-        opts.progress(request.nbytes)
 
 
 def _finish(reads: list[Future], ring: StagingRing | None) -> None:

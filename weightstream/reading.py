@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from weightstream.memory.host import view_as
+from weightstream.memory.host import HostArena, view_as
 from weightstream.options import LoadOptions
 from weightstream.plan import PAGE, FileLayout, FileSpec, ReadRequest, round_up_to_page
 from weightstream.sources.base import Source, Store, check_unchanged
@@ -51,6 +51,22 @@ def read_request(source: Source, request: ReadRequest, view: memoryview, at: int
         source.read_into(request.offset - head, view[start : start + round_up_to_page(head + request.nbytes)])
     else:
         source.read_into(request.offset, view[at : at + request.nbytes])
+
+
+def read_into_arena(source: Source, request: ReadRequest, arena: HostArena, stop: threading.Event, opts: LoadOptions, base: int = 0) -> None:
+    """A reader thread's task: read ``request`` to ``base`` + its place in ``arena``, unless the load stopped.
+
+    With ``prefault`` the pages are faulted in on this thread first: an object store's transport writes
+    the bytes from its one event-loop thread, which should not take the faults too.
+    """
+    if stop.is_set():
+        return
+    at = base + request.dest_offset
+    if opts.prefault:
+        arena.populate(at, request.nbytes)
+    read_request(source, request, arena.view, at)
+    if opts.progress is not None:
+        opts.progress(request.nbytes)
 
 
 def start_readers(cleanup: contextlib.ExitStack, opts: LoadOptions) -> tuple[ThreadPoolExecutor, threading.Event, dict[Future, Any]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
 
@@ -26,8 +25,8 @@ from weightstream.errors import InvalidOptionError
 from weightstream.memory.host import HostArena
 from weightstream.options import DEFAULT_INFLIGHT_BYTES, LoadOptions
 from weightstream.plan import PAGE, FileLayout, LoadPlan, TensorSpec, layout_file, round_up_to_page
-from weightstream.reading import Waiting, open_checked, read_request, start_readers, wants_huge_pages
-from weightstream.sources.base import Source, Store
+from weightstream.reading import Waiting, open_checked, read_into_arena, start_readers, wants_huge_pages
+from weightstream.sources.base import Store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +108,7 @@ def read_streaming(store: Store, plan: LoadPlan, opts: LoadOptions, *, pinned: b
                 source = sources[batch.file]
                 window_state.admit(HostArena(batch.layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=pinned))
                 for request_number in range(len(batch.layout.requests)):
-                    futures[readers.submit(_read, source, batch, request_number, arenas[number], stop, opts)] = (number, request_number)
+                    futures[readers.submit(read_into_arena, source, batch.layout.requests[request_number], arenas[number], stop, opts)] = (number, request_number)
                 for tensor_number in window_state.ready_without_reads(number):
                     named = window_state.take(number, tensor_number)
                     yield named
@@ -166,15 +165,3 @@ class _Window:
             self.held -= self.batches[number].layout.buffer_bytes
         return named
 
-
-def _read(source: Source, batch: Batch, request_number: int, arena: HostArena, stop: threading.Event, opts: LoadOptions) -> None:
-    """Fault the request's pages in on this thread (with ``prefault``), then read into them: an object
-    store's transport writes the bytes from its one event-loop thread, which should not take the faults too."""
-    if stop.is_set():
-        return
-    request = batch.layout.requests[request_number]
-    if opts.prefault:
-        arena.populate(request.dest_offset, request.nbytes)
-    read_request(source, request, arena.view, request.dest_offset)
-    if opts.progress is not None:
-        opts.progress(request.nbytes)
