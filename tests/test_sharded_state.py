@@ -392,3 +392,9 @@ def test_a_rank_of_a_state_in_an_object_store(scheme, tmp_path: Path, no_leaks):
     states = save_world(tmp_path / "local", 2, 64 << 10)
     uri = upload(scheme, tmp_path / "local", "sharded-state")
     assert_same(weightstream.load_weights(uri, format="sharded-state", rank=1, world_size=2, verify=True), states[1])
+
+
+def test_a_window_is_refused(tmp_path: Path, no_leaks):
+    save_world(tmp_path, 1)
+    with pytest.raises(weightstream.InvalidOptionError, match=r"max_inflight_bytes=67108864: this loader holds its rank's whole state"):
+        weightstream.iter_weights(tmp_path, format="sharded-state", max_inflight_bytes=64 << 20)

@@ -271,6 +271,18 @@ class LoadOptions:
         defaults = {field.name: field.default for field in dataclasses.fields(self)}
         return [name for name in names if getattr(self, name) != defaults[name]]
 
+    def refuse(self, reasons: Mapping[str, str]) -> None:
+        """Raise ``InvalidOptionError`` for the first option of ``reasons`` that is set (not its default), with its reason.
+
+        Example:
+            >>> LoadOptions(zero_copy=True).refuse({"zero_copy": "this loader reads into memory of its own"})
+            Traceback (most recent call last):
+            ...
+            weightstream.errors.InvalidOptionError: zero_copy=True: this loader reads into memory of its own
+        """
+        for name in self.changed(reasons):
+            raise InvalidOptionError(f"{name}={getattr(self, name)!r}: {reasons[name]}")
+
     def refuse_foreign(self, loader: str) -> None:
         """Raise ``InvalidOptionError`` if an option that only another loader honours is set, for ``loader``.
 

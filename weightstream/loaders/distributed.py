@@ -31,10 +31,10 @@ class DistributedLoader:
 
     def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
         opts.refuse_foreign(self.name)
-        for option, why in (("zero_copy", "maps whole files; each rank here reads only its share"),
-                            ("max_inflight_bytes", "every rank holds the whole checkpoint; use format='streaming' for a window")):
-            if getattr(opts, option) not in (False, None):
-                raise InvalidOptionError(f"{option}={getattr(opts, option)!r}: {why}")
+        opts.refuse({
+            "zero_copy": "maps whole files; each rank here reads only its share",
+            "max_inflight_bytes": "every rank holds the whole checkpoint; use format='streaming' for a window",
+        })
         if torch.device(opts.device).type != "cpu":
             raise InvalidOptionError(f"device {opts.device!r}: the distributed loader lands tensors on the CPU (gloo); NCCL to GPUs is not built yet")
         if opts.stats is not None and not isinstance(opts.stats, DistributedStats):

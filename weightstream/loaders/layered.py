@@ -40,12 +40,10 @@ class LayeredLoader:
         self._stores = PlannedStores()
 
     def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
-        for option, why in (
-            ("zero_copy", "maps whole files, while this loader reads into buffers it reuses; use format='safetensors'"),
-            ("max_inflight_bytes", "this loader's memory is bounded by prefetch_layers instead"),
-        ):
-            if getattr(opts, option) not in (False, None):
-                raise InvalidOptionError(f"{option}={getattr(opts, option)!r}: {why}")
+        opts.refuse({
+            "zero_copy": "maps whole files, while this loader reads into buffers it reuses; use format='safetensors'",
+            "max_inflight_bytes": "this loader's memory is bounded by prefetch_layers instead",
+        })
         opts.refuse_foreign(self.name)
         if opts.gds is True:
             raise InvalidOptionError("gds=True: the layered loader reaches a GPU through the pinned staging ring, not cuFile")

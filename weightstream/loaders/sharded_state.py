@@ -49,8 +49,7 @@ class ShardedStateLoader:
 
     def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
         opts.refuse_foreign(self.name)
-        if opts.max_inflight_bytes is not None:
-            raise InvalidOptionError(f"max_inflight_bytes: the {self.name} loader holds its rank's whole state; use format='streaming' for a window")
+        opts.refuse({"max_inflight_bytes": "this loader holds its rank's whole state; use format='streaming' for a window"})
         if opts.verify and torch.device(opts.device).type == "cuda":
             raise InvalidOptionError("verify=True checks bytes on the host: load to the CPU (or pinned memory), then move them")
         check_destination(opts.device, opts.pin_memory)
