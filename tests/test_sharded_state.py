@@ -276,6 +276,18 @@ def test_other_loaders_refuse_the_sharded_options(tmp_path: Path, loader, option
         weightstream.iter_weights(tmp_path / "model.safetensors", format=loader, **option)
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"rank": 3, "world_size": 2}, r"rank 3 is not in a world of size 2"),
+     ({"rank": 0, "world_size": (1, 2)}, r"rank 0 and world_size \(1, 2\) must both be integers or both \(pp, tp\) pairs"),
+     ({"rank": -1}, r"rank must be a non-negative integer or a \(pp, tp\) pair of them, got -1")],
+)
+def test_bad_load_ranks_are_refused_before_any_read(tmp_path: Path, options, message, no_leaks):
+    save_world(tmp_path, 2)
+    with pytest.raises(weightstream.InvalidOptionError, match=message):
+        weightstream.iter_weights(tmp_path, format="sharded-state", **options)
+
+
 def test_without_a_rank_a_world_of_several_is_refused(tmp_path: Path, no_leaks):
     save_world(tmp_path, 2)
     with pytest.raises(weightstream.InvalidOptionError, match=r"reads one rank's files \(ranks here: rank 0, rank 1\): pass rank="):

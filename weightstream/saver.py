@@ -34,7 +34,7 @@ from weightstream.formats.manifest import (
     new_hasher,
     saving_marker_name,
 )
-from weightstream.formats.sharded_state import DEFAULT_PATTERN, Rank, ShardPattern, describe, in_world
+from weightstream.formats.sharded_state import DEFAULT_PATTERN, Rank, ShardPattern, check_in_world, describe
 from weightstream.formats.writer import encode_header, tensor_pieces
 
 DEFAULT_MAX_FILE_BYTES = 5 << 30
@@ -71,8 +71,7 @@ def save_sharded_state(
     shards = ShardPattern(pattern)
     rank = shards.check_rank(rank)
     world_size = shards.check_rank(world_size, "world_size")
-    if not in_world(rank, world_size):
-        raise InvalidOptionError(f"{describe(rank)} is not in a world of size {world_size!r}")
+    check_in_world(rank, world_size)
     if not isinstance(max_file_bytes, int) or isinstance(max_file_bytes, bool) or max_file_bytes < 1:
         raise InvalidOptionError(f"max_file_bytes must be a positive integer, got {max_file_bytes!r}")
     if checksum not in CHECKSUMS:

@@ -68,7 +68,7 @@ class ShardPattern:
     def check_rank(self, rank: object, what: str = "rank") -> Rank:
         """``rank`` (or a world size) in the shape this pattern needs, or ``InvalidOptionError``."""
         if self.pipelined:
-            if not (isinstance(rank, tuple) and len(rank) == 2 and all(_is_index(part) for part in rank)):
+            if not (isinstance(rank, tuple) and is_rank(rank)):
                 raise InvalidOptionError(f"{what} must be a (pp, tp) pair of non-negative integers for pattern {self.pattern!r}, got {rank!r}")
             return rank
         if not _is_index(rank):
@@ -88,6 +88,27 @@ class ShardPattern:
             return None
         rank = (int(match["pp_rank"]), int(match["tp_rank"])) if self.pipelined else int(match["rank"])
         return rank, int(match["part"])
+
+
+def is_rank(value: object) -> bool:
+    """Whether ``value`` has a rank's shape: a non-negative integer, or a (pp, tp) pair of them."""
+    pair = isinstance(value, tuple) and len(value) == 2 and all(_is_index(part) for part in value)
+    return pair or _is_index(value)
+
+
+def check_in_world(rank: Rank, world_size: Rank) -> None:
+    """Raise ``InvalidOptionError`` unless ``rank`` is one of the ranks of ``world_size``, of the same shape.
+
+    Example:
+        >>> check_in_world(2, 2)
+        Traceback (most recent call last):
+        ...
+        weightstream.errors.InvalidOptionError: rank 2 is not in a world of size 2
+    """
+    if isinstance(rank, tuple) != isinstance(world_size, tuple):
+        raise InvalidOptionError(f"rank {rank!r} and world_size {world_size!r} must both be integers or both (pp, tp) pairs")
+    if not in_world(rank, world_size):
+        raise InvalidOptionError(f"{describe(rank)} is not in a world of size {world_size!r}")
 
 
 def in_world(rank: Rank, world_size: Rank) -> bool:

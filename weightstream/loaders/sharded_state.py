@@ -20,7 +20,16 @@ from weightstream.formats.manifest import (
     parse_manifest,
     saving_marker_name,
 )
-from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank, ShardPattern, describe, in_world
+from weightstream.formats.sharded_state import (
+    DEFAULT_PATTERN,
+    PP_PATTERN,
+    Rank,
+    ShardPattern,
+    check_in_world,
+    describe,
+    in_world,
+    is_rank,
+)
 from weightstream.loaders.safetensors import plan_checkpoint
 from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
@@ -126,8 +135,7 @@ def _rank_of(opts: LoadOptions) -> tuple[Rank, Rank | None]:
         _check_rank_shape(opts.rank, "rank")
         if opts.world_size is not None:
             _check_rank_shape(opts.world_size, "world_size")
-            if not in_world(opts.rank, opts.world_size):
-                raise InvalidOptionError(f"{describe(opts.rank)} is not in a world of size {opts.world_size!r}")
+            check_in_world(opts.rank, opts.world_size)
         return opts.rank, opts.world_size
     if opts.world_size is not None:
         raise InvalidOptionError("world_size without rank: pass rank= too (or leave both to torch.distributed)")
@@ -157,8 +165,7 @@ def _only_rank(store: Store, uri: str, names: set[str], opts: LoadOptions) -> Ra
 
 
 def _check_rank_shape(value: object, what: str) -> None:
-    pair = isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
-    if not (pair or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)):
+    if not is_rank(value):
         raise InvalidOptionError(f"{what} must be a non-negative integer or a (pp, tp) pair of them, got {value!r}")
 
 
