@@ -7,6 +7,10 @@ Each rank is a fresh process (gloo over a loopback file rendezvous); the clock s
 barrier and stops when the rank has every tensor with every 4 KiB page touched; a method's wall
 time is its slowest rank's. Bytes from storage are each process's ``read_bytes`` in
 ``/proc/self/io`` (what the block layer fetched: direct and buffered reads alike).
+
+``memory-floor``: each of the N ranks only faults in a private buffer of the checkpoint's size (no
+reads, no sharing), the least work of any way that leaves every rank its own copy. Extra loader
+options for the distributed method: ``DISTRIBUTED_OPTIONS='{"chunk_bytes": 8388608}'``.
 """
 
 from __future__ import annotations
@@ -40,7 +44,13 @@ def storage_bytes():
 before = storage_bytes()
 stats = weightstream.DistributedStats()
 start = time.perf_counter()
-options = {"format": "distributed", "stats": stats} if mode == "distributed" else {}
+if mode == "floor":
+    from weightstream.memory.host import HostArena
+    arena = HostArena(int(sys.argv[7]), huge_pages=False)
+    arena.populate(0, arena.nbytes)
+    print(json.dumps({"rank": rank, "seconds": time.perf_counter() - start, "storage_bytes": 0, "stats": vars(stats)}))
+    sys.exit(0)
+options = {"format": "distributed", "stats": stats, **json.loads(sys.argv[6])} if mode == "distributed" else {}
 kept = []
 for _, tensor in weightstream.iter_weights(uri, **options):
     touch(tensor)
@@ -51,14 +61,16 @@ if world > 1:
     dist.destroy_process_group()
 """
 
-METHODS = ("single", "distributed", "naive")
+METHODS = ("single", "distributed", "naive", "memory-floor")
+OPTIONS = os.environ.get("DISTRIBUTED_OPTIONS", "{}")
 
 
-def run(method: str, ranks: int, uri: str) -> dict:
+def run(method: str, ranks: int, uri: str, total: int) -> dict:
     world = 1 if method == "single" else ranks
+    mode = {"distributed": "distributed", "memory-floor": "floor"}.get(method, "plain")
     with tempfile.TemporaryDirectory() as rendezvous:
         init = f"file://{rendezvous}/rendezvous"
-        processes = [subprocess.Popen([sys.executable, "-c", RANK, "distributed" if method == "distributed" else "plain", init, str(rank), str(world), uri],
+        processes = [subprocess.Popen([sys.executable, "-c", RANK, mode, init, str(rank), str(world), uri, OPTIONS, str(total)],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
         results = []
         for process in processes:
@@ -81,9 +93,9 @@ def main() -> None:
     total = sum(os.path.getsize(path) for path in files)
     runs: dict[str, list[dict]] = {method: [] for method in METHODS}
     for round_number in range(args.rounds):
-        for method in METHODS:
+        for method in METHODS[round_number % len(METHODS):] + METHODS[: round_number % len(METHODS)]:  # each method follows each other one in turn
             prepare_cache(files, "cold")
-            runs[method].append(run(method, args.ranks, uri))
+            runs[method].append(run(method, args.ranks, uri, total))
             last = runs[method][-1]
             print(f"round {round_number + 1} {method:12s} {last['seconds']:6.2f} s  storage {last['storage_bytes'] / total:.2f}x", file=sys.stderr)
     summary = [{"method": method, "ranks": 1 if method == "single" else args.ranks,

@@ -1,6 +1,7 @@
 """The distributed loader across real processes (gloo over loopback): bit-exact results on every
 rank, storage bytes read once in all, uneven and extreme tensor sizes, filters, and failures of
-one rank (killed, stopping early, a read error, another plan) raising on the others, promptly."""
+one rank (killed, stopping early, a read error, another plan) raising on the others, promptly;
+and the same from the object stores (real servers)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,18 @@ def test_every_rank_gets_every_tensor_bit_exact_and_storage_is_read_once(tmp_pat
     assert sum(r["stats"]["read_bytes"] for r in results) == total, "the ranks together read the checkpoint once"
     shares = [r["stats"]["read_bytes"] for r in results]
     assert max(shares) - min(shares) <= 256 << 10, f"unbalanced shares {shares}"
+    assert all(r["stats"]["read_bytes"] + r["stats"]["received_bytes"] == total for r in results)
+
+
+@pytest.mark.slow
+def test_an_object_store_checkpoint_is_read_once_and_shared(scheme, tmp_path: Path):
+    from tests.test_objectstore import upload
+
+    local, total = checkpoint(tmp_path)
+    uri = upload(scheme, Path(local), f"distributed-{tmp_path.name}")
+    results = run_ranks(tmp_path, 2, uri)
+    assert all(r.get("bit_exact") for r in results), results
+    assert sum(r["stats"]["read_bytes"] for r in results) == total
     assert all(r["stats"]["read_bytes"] + r["stats"]["received_bytes"] == total for r in results)
 
 

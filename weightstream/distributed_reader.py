@@ -3,7 +3,9 @@
 The plan's read requests (chunks of up to ``chunk_bytes``, laid out as the host reader lays out
 each file) are owned by ranks: each chunk by the rank with the fewest bytes so far, so the shares
 differ by at most one chunk and every rank computes the same assignment. A rank's reader threads
-read its own chunks, ahead and in order, straight into the destination memory. All ranks then walk
+read its own chunks, ahead and in order, straight into the destination memory, and fault in the
+pages of its peers' chunks before they arrive (receiving into fresh pages is several times slower:
+the kernel faults them one by one as it copies from the socket). All ranks then walk
 the chunks in order: one ``all_reduce(MAX)`` of a status integer, then a ``broadcast`` from the
 chunk's owner that lands the bytes in place on the others; reading later chunks overlaps sharing
 earlier ones. A tensor is yielded once its chunks have arrived.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,9 +30,13 @@ import torch
 from weightstream.errors import PeerError
 from weightstream.memory.host import HostArena
 from weightstream.options import LoadOptions
-from weightstream.plan import FileLayout, LoadPlan, layout_file
+from weightstream.plan import FileLayout, LoadPlan, ReadRequest, layout_file
 from weightstream.reading import Waiting, buffer_tensor, open_checked, read_into_arena, start_readers, wants_huge_pages
 from weightstream.sources.base import Store
+
+SHARE_CHUNK_BYTES = 64 << 20
+"""Default chunk (read request and broadcast) size: each chunk costs two collectives, whose latency
+on a busy machine is milliseconds (measured: a 4 GiB share took 28.5 s in 8 MiB chunks, 17.0 s in 64 MiB)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +67,8 @@ class DistributedStats:
     """Bytes of its own reads this rank broadcast."""
     read_wait_seconds: float = 0.0
     """Time spent waiting for this rank's own reads to land."""
+    fault_wait_seconds: float = 0.0
+    """Time spent waiting for the pages of peers' chunks to be faulted in before they arrive."""
     share_seconds: float = 0.0
     """Time spent in the status and broadcast collectives."""
 
@@ -97,7 +106,8 @@ def read_distributed(
 
     stats = stats if stats is not None else DistributedStats()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    layouts = [layout_file(plan.tensors_of(spec.path), opts.request_bytes(plan.uri)) for spec in plan.files]
+    chunk_bytes = opts.chunk_bytes if opts.chunk_bytes is not None else max(SHARE_CHUNK_BYTES, opts.request_bytes(plan.uri))
+    layouts = [layout_file(plan.tensors_of(spec.path), chunk_bytes) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
     chunks = assign_chunks(layouts, world_size)
     _check_same_plan(plan, chunks, group)
@@ -109,22 +119,26 @@ def read_distributed(
         peers = _Peers(group)
         cleanup.callback(peers.leave)  # runs after the readers stopped: tells the peers if this rank leaves early
         readers, stop, futures = start_readers(cleanup, opts)
-        own = {}
+        ahead = {}  # chunk number -> this rank's read of it, or the faulting in of a peer's chunk's pages
         for number, chunk in enumerate(chunks):
+            request = layouts[chunk.file].requests[chunk.request]
             if chunk.owner == rank:
-                request = layouts[chunk.file].requests[chunk.request]
-                own[number] = readers.submit(read_into_arena, sources[chunk.file], request, arenas[chunk.file], stop, opts)
-                futures[own[number]] = number
+                ahead[number] = readers.submit(read_into_arena, sources[chunk.file], request, arenas[chunk.file], stop, opts)
+            else:
+                ahead[number] = readers.submit(_populate, arenas[chunk.file], request, stop)
+            futures[ahead[number]] = number
         waiting = [Waiting(layout) for layout in layouts]
         for file_number, tensors in enumerate(waiting):
             for tensor_number in tensors.ready_without_reads():
                 yield buffer_tensor(layouts[file_number], arenas[file_number].bytes, tensor_number)
         for number, chunk in enumerate(chunks):
+            started = time.perf_counter()
+            ahead.pop(number).result()
             if chunk.owner == rank:
-                started = time.perf_counter()
-                own.pop(number).result()
                 stats.read_wait_seconds += time.perf_counter() - started
                 stats.read_bytes += chunk.nbytes
+            else:
+                stats.fault_wait_seconds += time.perf_counter() - started
             request = layouts[chunk.file].requests[chunk.request]
             started = time.perf_counter()
             peers.share(arenas[chunk.file].bytes[request.dest_offset : request.dest_offset + request.nbytes], chunk.owner, number, len(chunks), plan.uri)
@@ -136,6 +150,14 @@ def read_distributed(
             for tensor_number in waiting[chunk.file].request_done(chunk.request):
                 yield buffer_tensor(layouts[chunk.file], arenas[chunk.file].bytes, tensor_number)
         peers.finished = True
+
+
+def _populate(arena: HostArena, request: ReadRequest, stop: threading.Event) -> None:
+    """A reader thread's task for a peer's chunk: fault its pages in before the bytes arrive, which is
+    several times faster than the kernel faulting them one by one as it copies from the socket
+    (measured: a 4 GiB two-rank share at 0.83 GB/s prefaulted, 0.23 GB/s not)."""
+    if not stop.is_set():
+        arena.populate(request.dest_offset, request.nbytes)
 
 
 class _Peers:

@@ -77,7 +77,7 @@ class LoadOptions:
     chunk_bytes: int | None = None
     """Largest single read request, in bytes (a multiple of 4096). Default ``None``: 8 MiB for local files,
     64 MiB for object stores and HTTP, where each request costs a round trip and server work (measured in
-    ``benchmarks/README.md``)."""
+    ``benchmarks/README.md``); 64 MiB everywhere for ``format="distributed"``, where it is also the broadcast unit."""
 
     filter: TensorFilter | None = None
     """Only these tensors (names or a predicate). Default ``None``: all of them."""
