@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU verification (issue 3, and every CUDA path since: streaming, layered), as one script.
+# The GPU verification (issue 3, and every CUDA path since: streaming, layered, distributed over NCCL), as one script.
 #
 # Here (a machine with PyPI), once:   benchmarks/gpu_check.sh prepare
 #   downloads the peers' wheels for the device image's Python 3.12 into .whl/ (git-ignored).

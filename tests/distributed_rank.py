@@ -1,6 +1,8 @@
 """One rank of a distributed-load test: ``python -m tests.distributed_rank INIT RANK WORLD URI MODE [VICTIM]``.
 
 Modes: ``load`` (every tensor, compared with a single-process load), ``filter`` (only layer 1),
+``staged`` (every tensor through a small staging ring with the CPU engine), ``cuda`` (every
+tensor to this rank's GPU over NCCL),
 ``kill`` / ``abandon`` / ``fail`` / ``other-filter`` (rank VICTIM is killed after its first tensor,
 stops iterating, has a read fail, or plans another load; the others must raise). Prints one JSON line.
 """
@@ -20,9 +22,12 @@ import weightstream
 
 
 def main(init: str, rank: int, world: int, uri: str, mode: str, victim: int) -> dict:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    backend = "nccl" if mode == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
     stats = weightstream.DistributedStats()
     options: dict = {"stats": stats, "chunk_bytes": 256 << 10, "threads": 3}
+    if mode == "cuda":
+        options["device"] = f"cuda:{rank % torch.cuda.device_count()}"
     wanted = (lambda name: ".layers.1." in name) if mode == "filter" else None
     if wanted is not None:
         options["filter"] = wanted
@@ -37,14 +42,14 @@ def main(init: str, rank: int, world: int, uri: str, mode: str, victim: int) -> 
     start = time.perf_counter()
     try:
         loaded = {}
-        for name, tensor in weightstream.iter_weights(uri, format="distributed", **options):
+        for name, tensor in staged(uri, options, result) if mode == "staged" else weightstream.iter_weights(uri, format="distributed", **options):
             loaded[name] = tensor
             if me and mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if me and mode == "abandon":
                 break
         reference = weightstream.load_weights(uri, filter=wanted)
-        result["bit_exact"] = loaded.keys() == reference.keys() and all(torch.equal(loaded[n].view(torch.uint8), reference[n].view(torch.uint8)) for n in reference)
+        result["bit_exact"] = loaded.keys() == reference.keys() and all(torch.equal(loaded[n].cpu().view(torch.uint8), reference[n].view(torch.uint8)) for n in reference)
         result["tensors"] = len(loaded)
     except weightstream.WeightstreamError as error:
         result["error"] = [type(error).__name__, str(error)]
@@ -55,6 +60,26 @@ def main(init: str, rank: int, world: int, uri: str, mode: str, victim: int) -> 
     print(json.dumps(result), flush=True)
     dist.destroy_process_group()
     return result
+
+
+def staged(uri: str, options: dict, result: dict):
+    """The load through a small staging ring with the CPU engine (random delays, checking slot
+    reuse): the CUDA path's structure, minus the device and NCCL."""
+    from tests.engines import DelayedCheckingEngine
+    from weightstream.distributed_reader import read_distributed
+    from weightstream.memory.ring import CpuStaging
+    from weightstream.sources import store_for
+
+    engines = []
+
+    def engine() -> DelayedCheckingEngine:
+        engines.append(DelayedCheckingEngine(seed=len(engines)))
+        return engines[-1]
+
+    _, plan, opts = weightstream.plan_load(uri, format="distributed", staging_slots=2, staging_slot_bytes=64 << 10, **options)
+    yield from read_distributed(store_for(plan.uri), plan, opts, None, staging=CpuStaging(engine), stats=options["stats"])
+    result["copies"] = sum(e.launched for e in engines)
+    result["violations"] = [v for e in engines for v in e.violations]
 
 
 if __name__ == "__main__":

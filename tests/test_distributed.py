@@ -54,6 +54,29 @@ def test_every_rank_gets_every_tensor_bit_exact_and_storage_is_read_once(tmp_pat
 
 
 @pytest.mark.slow
+def test_through_a_staging_ring_as_to_a_gpu(tmp_path: Path):
+    uri, total = checkpoint(tmp_path)
+    results = run_ranks(tmp_path, 3, uri, "staged")
+    assert all(r.get("bit_exact") for r in results), results
+    assert sum(r["stats"]["read_bytes"] for r in results) == total
+    for result in results:
+        assert result["violations"] == [], "a slot was written while its copy was pending"
+        assert result["copies"] * (64 << 10) >= result["stats"]["read_bytes"] > 0, "every byte read went through the ring's 64 KiB slots"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and NCCL)")
+@pytest.mark.parametrize("world", [1, 2])
+def test_to_gpus_over_nccl(tmp_path: Path, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"NCCL needs a GPU per rank: {world} ranks, {torch.cuda.device_count()} GPU(s)")
+    uri, total = checkpoint(tmp_path)
+    results = run_ranks(tmp_path, world, uri, "cuda")
+    assert all(r.get("bit_exact") for r in results), results
+    assert sum(r["stats"]["read_bytes"] for r in results) == total
+
+
+@pytest.mark.slow
 def test_an_object_store_checkpoint_is_read_once_and_shared(scheme, tmp_path: Path):
     from tests.test_objectstore import upload
 
@@ -108,5 +131,12 @@ def test_the_loader_needs_torch_distributed(tmp_path: Path, no_leaks):
     uri, _ = checkpoint(tmp_path)
     with pytest.raises(weightstream.InvalidOptionError, match=r"needs torch.distributed initialised"):
         weightstream.iter_weights(uri, format="distributed")
-    with pytest.raises(weightstream.InvalidOptionError, match=r"lands tensors on the CPU \(gloo\); NCCL to GPUs is not built yet"):
+    with pytest.raises(weightstream.InvalidOptionError, match=r"device 'meta': the distributed loader lands tensors on the CPU \(over gloo\) or on a CUDA device \(over NCCL\)"):
+        weightstream.iter_weights(uri, format="distributed", device="meta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_cuda_destination_without_cuda_is_refused(tmp_path: Path, no_leaks):
+    uri, _ = checkpoint(tmp_path)
+    with pytest.raises(weightstream.DeviceUnavailableError, match=r"device 'cuda' requested, but torch .* sees no CUDA device"):
         weightstream.iter_weights(uri, format="distributed", device="cuda")

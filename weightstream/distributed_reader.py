@@ -2,13 +2,14 @@
 
 The plan's read requests (chunks of up to ``chunk_bytes``, laid out as the host reader lays out
 each file) are owned by ranks: each chunk by the rank with the fewest bytes so far, so the shares
-differ by at most one chunk and every rank computes the same assignment. A rank's reader threads
-read its own chunks, ahead and in order, straight into the destination memory, and fault in the
-pages of its peers' chunks before they arrive (receiving into fresh pages is several times slower:
-the kernel faults them one by one as it copies from the socket). All ranks then walk
-the chunks in order: one ``all_reduce(MAX)`` of a status integer, then a ``broadcast`` from the
-chunk's owner that lands the bytes in place on the others; reading later chunks overlaps sharing
-earlier ones. A tensor is yielded once its chunks have arrived.
+differ by at most one chunk and every rank computes the same assignment. All ranks walk the
+chunks in order: one ``all_reduce(MAX)`` of a status integer, then a ``broadcast`` from the chunk's
+owner that lands the bytes in place on the others. Meanwhile each rank's reader threads prepare
+the next ``reader_threads`` chunks: its own are read straight into the destination memory, its
+peers' have their pages faulted in before they arrive (receiving into fresh pages is several times
+slower: the kernel faults them one by one as it copies from the socket). Preparing further ahead
+only takes CPU from the sharing (4 GiB, 2 ranks on 2 cores: 7.5-15 s unbounded, 5.0-6.0 s bounded).
+A tensor is yielded once its chunks have arrived.
 
 Failures: a rank whose read fails, or whose caller stops iterating, contributes 1 to the next
 status, and every other rank raises ``PeerError`` at once; a killed rank's peers see its
@@ -23,16 +24,19 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from weightstream.errors import PeerError
 from weightstream.memory.host import HostArena
+from weightstream.memory.ring import CopyHandle
 from weightstream.options import LoadOptions
 from weightstream.plan import FileLayout, LoadPlan, ReadRequest, layout_file
 from weightstream.reading import Waiting, buffer_tensor, open_checked, read_into_arena, start_readers, wants_huge_pages
-from weightstream.sources.base import Store
+from weightstream.sources.base import Source, Store
+from weightstream.staged_reader import Staging, stage_request, staging_ring
 
 SHARE_CHUNK_BYTES = 64 << 20
 """Default chunk (read request and broadcast) size: each chunk costs two collectives, whose latency
@@ -94,12 +98,22 @@ def assign_chunks(layouts: list[FileLayout], world_size: int) -> list[Chunk]:
 
 
 def read_distributed(
-    store: Store, plan: LoadPlan, opts: LoadOptions, group: Any, *, pinned: bool, stats: DistributedStats | None = None
+    store: Store,
+    plan: LoadPlan,
+    opts: LoadOptions,
+    group: Any,
+    *,
+    pinned: bool = False,
+    staging: Staging | None = None,
+    stats: DistributedStats | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every tensor of ``plan`` on this rank of ``group``, having read only this rank's share.
 
+    Tensors land in host memory (``pinned`` or not), or with ``staging`` in its memory (a GPU's
+    for ``CudaStaging``, shared over NCCL), this rank's own chunks through its staging slots.
+
     Example:
-        >>> for name, tensor in read_distributed(store, plan, LoadOptions(), None, pinned=False):  # doctest: +SKIP
+        >>> for name, tensor in read_distributed(store, plan, LoadOptions(), None):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
     import torch.distributed as dist
@@ -107,33 +121,41 @@ def read_distributed(
     stats = stats if stats is not None else DistributedStats()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     chunk_bytes = opts.chunk_bytes if opts.chunk_bytes is not None else max(SHARE_CHUNK_BYTES, opts.request_bytes(plan.uri))
+    if staging is not None:
+        chunk_bytes = min(chunk_bytes, opts.staging_slot_bytes)
     layouts = [layout_file(plan.tensors_of(spec.path), chunk_bytes) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
     chunks = assign_chunks(layouts, world_size)
-    _check_same_plan(plan, chunks, group)
+    device = staging.device if staging is not None else torch.device("cpu")
+    _check_same_plan(plan, chunks, group, device)
     files = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
         sources = [cleanup.enter_context(open_checked(store, files[layout.file], opts)) for layout in layouts]
-        arenas = [HostArena(layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=pinned) for layout, source in zip(layouts, sources, strict=True)]
-        cleanup.callback(arenas.clear)  # registered first: emptied after the readers stopped writing
-        peers = _Peers(group)
+        landing = _HostLanding(layouts, sources, opts, pinned) if staging is None else _StagedLanding(layouts, staging, opts)
+        cleanup.callback(landing.close)  # registered first: runs after the readers stopped writing
+        peers = _Peers(group, device)
         cleanup.callback(peers.leave)  # runs after the readers stopped: tells the peers if this rank leaves early
         readers, stop, futures = start_readers(cleanup, opts)
-        ahead = {}  # chunk number -> this rank's read of it, or the faulting in of a peer's chunk's pages
-        for number, chunk in enumerate(chunks):
-            request = layouts[chunk.file].requests[chunk.request]
-            if chunk.owner == rank:
-                ahead[number] = readers.submit(read_into_arena, sources[chunk.file], request, arenas[chunk.file], stop, opts)
-            else:
-                ahead[number] = readers.submit(_populate, arenas[chunk.file], request, stop)
-            futures[ahead[number]] = number
+        ahead: dict[int, Future] = {}  # chunk number -> this rank's read of it, or the preparing of a peer's chunk's memory
+
+        def prepare(number: int) -> None:
+            if number < len(chunks):
+                chunk = chunks[number]
+                request = layouts[chunk.file].requests[chunk.request]
+                task = landing.own if chunk.owner == rank else landing.peer
+                ahead[number] = readers.submit(task, sources[chunk.file], request, chunk.file, stop)
+                futures[ahead[number]] = number
+
+        for number in range(opts.reader_threads):
+            prepare(number)
         waiting = [Waiting(layout) for layout in layouts]
         for file_number, tensors in enumerate(waiting):
             for tensor_number in tensors.ready_without_reads():
-                yield buffer_tensor(layouts[file_number], arenas[file_number].bytes, tensor_number)
+                yield buffer_tensor(layouts[file_number], landing.buffers[file_number], tensor_number)
         for number, chunk in enumerate(chunks):
             started = time.perf_counter()
-            ahead.pop(number).result()
+            landing.landed(ahead.pop(number).result())
+            prepare(number + opts.reader_threads)
             if chunk.owner == rank:
                 stats.read_wait_seconds += time.perf_counter() - started
                 stats.read_bytes += chunk.nbytes
@@ -141,34 +163,83 @@ def read_distributed(
                 stats.fault_wait_seconds += time.perf_counter() - started
             request = layouts[chunk.file].requests[chunk.request]
             started = time.perf_counter()
-            peers.share(arenas[chunk.file].bytes[request.dest_offset : request.dest_offset + request.nbytes], chunk.owner, number, len(chunks), plan.uri)
+            peers.share(landing.buffers[chunk.file][request.dest_offset : request.dest_offset + request.nbytes], chunk.owner, number, len(chunks), plan.uri)
             stats.share_seconds += time.perf_counter() - started
             if chunk.owner == rank:
                 stats.sent_bytes += chunk.nbytes
             else:
                 stats.received_bytes += chunk.nbytes
             for tensor_number in waiting[chunk.file].request_done(chunk.request):
-                yield buffer_tensor(layouts[chunk.file], arenas[chunk.file].bytes, tensor_number)
+                yield buffer_tensor(layouts[chunk.file], landing.buffers[chunk.file], tensor_number)
         peers.finished = True
 
 
-def _populate(arena: HostArena, request: ReadRequest, stop: threading.Event) -> None:
-    """A reader thread's task for a peer's chunk: fault its pages in before the bytes arrive, which is
-    several times faster than the kernel faulting them one by one as it copies from the socket
-    (measured: a 4 GiB two-rank share at 0.83 GB/s prefaulted, 0.23 GB/s not)."""
-    if not stop.is_set():
-        arena.populate(request.dest_offset, request.nbytes)
+class _HostLanding:
+    """Chunks land in one host arena per file: this rank's read in place, its peers' pages faulted
+    in first, which is several times faster than the kernel faulting them one by one as it copies
+    from the socket (measured: a 4 GiB two-rank share at 0.83 GB/s prefaulted, 0.23 GB/s not)."""
+
+    def __init__(self, layouts: list[FileLayout], sources: list[Source], opts: LoadOptions, pinned: bool) -> None:
+        self._opts = opts
+        self._arenas = [HostArena(layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=pinned) for layout, source in zip(layouts, sources, strict=True)]
+        self.buffers = [arena.bytes for arena in self._arenas]
+        """Each file's destination memory, as uint8 tensors."""
+
+    def own(self, source: Source, request: ReadRequest, file: int, stop: threading.Event) -> None:
+        read_into_arena(source, request, self._arenas[file], stop, self._opts)
+
+    def peer(self, source: Source, request: ReadRequest, file: int, stop: threading.Event) -> None:
+        if not stop.is_set():
+            self._arenas[file].populate(request.dest_offset, request.nbytes)
+
+    def landed(self, result: None) -> None:
+        """Nothing to wait for: a host read is in place once its task is done."""
+
+    def close(self) -> None:
+        self._arenas.clear()
+        self.buffers.clear()
+
+
+class _StagedLanding:
+    """Chunks land in ``staging``'s memory: this rank's through its ring of slots (a copy launched per
+    chunk, waited for before the chunk is shared), its peers' straight from the transport."""
+
+    def __init__(self, layouts: list[FileLayout], staging: Staging, opts: LoadOptions) -> None:
+        self._opts = opts
+        self.buffers = [staging.allocate(layout.buffer_bytes, layout.file) for layout in layouts]
+        """Each file's destination memory, as uint8 tensors."""
+        try:
+            self._ring = staging_ring(staging, opts)
+        except BaseException:
+            self.buffers.clear()
+            raise
+
+    def own(self, source: Source, request: ReadRequest, file: int, stop: threading.Event) -> CopyHandle | None:
+        return stage_request(source, request, self.buffers[file], self._ring, stop, self._opts)
+
+    def peer(self, source: Source, request: ReadRequest, file: int, stop: threading.Event) -> None:
+        """Nothing to prepare: the transport writes device memory itself."""
+
+    def landed(self, handle: CopyHandle | None) -> None:
+        if handle is not None:
+            self._ring.wait(handle)
+
+    def close(self) -> None:
+        try:
+            self._ring.close()
+        finally:
+            self.buffers.clear()
 
 
 class _Peers:
     """The collectives of one load: a status round and a broadcast per chunk, and leaving early."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, device: torch.device) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self._group = group
-        self._status = torch.zeros(1, dtype=torch.int32)
+        self._status = torch.zeros(1, dtype=torch.int32, device=device)
         self.finished = False
         self._between_chunks = True  # the peers' next collective is a status round
 
@@ -198,14 +269,14 @@ class _Peers:
             self._dist.all_reduce(self._status, op=self._dist.ReduceOp.MAX, group=self._group)
 
 
-def _check_same_plan(plan: LoadPlan, chunks: list[Chunk], group: Any) -> None:
+def _check_same_plan(plan: LoadPlan, chunks: list[Chunk], group: Any, device: torch.device) -> None:
     """Every rank must have planned the same chunks of the same files (same checkpoint, same filter)."""
     import torch.distributed as dist
     import xxhash
 
     digest = xxhash.xxh3_64_intdigest(repr([(spec.path.rsplit("/", 1)[-1], spec.size) for spec in plan.files] + [dataclasses.astuple(c) for c in chunks]).encode())
     digest >>= 1  # 63 bits: it and its negation fit an int64
-    extremes = torch.tensor([digest, -digest], dtype=torch.int64)
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)  # the largest digest, and minus the smallest
     if int(extremes[0]) != digest or int(extremes[1]) != -digest:
         raise PeerError(f"{plan.uri}: the ranks planned different loads (other files, sizes or filters); every rank must load the same")

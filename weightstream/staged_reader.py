@@ -30,6 +30,8 @@ class Staging(Protocol):
 
     pinned: bool
     """Whether the staging slots must be page-locked (the CUDA engine's DMA needs it)."""
+    device: torch.device
+    """Where the destination memory is."""
 
     def engine(self) -> CopyEngine:
         """A fresh copy engine for one load."""
@@ -53,8 +55,7 @@ def read_staged(store: Store, plan: LoadPlan, opts: LoadOptions, staging: Stagin
         sources = [cleanup.enter_context(open_checked(store, specs[layout.file], opts)) for layout in layouts]
         destinations = [staging.allocate(layout.buffer_bytes, layout.file) for layout in layouts]
         cleanup.callback(destinations.clear)
-        # A direct read widens a request by up to one page: each slot has that page spare.
-        ring = StagingRing(staging.engine(), opts.staging_slot_bytes + PAGE, opts.staging_slots, pinned=staging.pinned)
+        ring = staging_ring(staging, opts)
         cleanup.callback(ring.close)
         readers, stop, futures = start_readers(cleanup, opts)
         for file_number, (layout, source) in enumerate(zip(layouts, sources, strict=True)):
@@ -64,6 +65,12 @@ def read_staged(store: Store, plan: LoadPlan, opts: LoadOptions, staging: Stagin
         yield from tensors_as_read(
             layouts, futures, lambda file, tensor: buffer_tensor(layouts[file], destinations[file], tensor), on_result=ring.wait
         )
+
+
+def staging_ring(staging: Staging, opts: LoadOptions) -> StagingRing:
+    """The ring of one staged load: ``staging_slots`` slots of ``staging_slot_bytes``, each with a
+    page to spare (a direct read widens a request by up to one page)."""
+    return StagingRing(staging.engine(), opts.staging_slot_bytes + PAGE, opts.staging_slots, pinned=staging.pinned)
 
 
 def stage_request(

@@ -63,13 +63,16 @@ KEEPING_OPTIONS: dict[str, dict[str, object]] = {
 
 @contextlib.contextmanager
 def running(name: str, directory: Path) -> Iterator[None]:
-    """What loader ``name`` needs around it: the distributed loader, a torch.distributed group (of one)."""
+    """What loader ``name`` needs around it: the distributed loader, a torch.distributed group (of one;
+    gloo, and NCCL for CUDA tensors where there is a GPU)."""
     if name != "distributed":
         yield
         return
+    import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{directory / '.rendezvous'}", rank=0, world_size=1)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{directory / '.rendezvous'}", rank=0, world_size=1)
     try:
         yield
     finally:

@@ -22,7 +22,8 @@ class DistributedLoader:
     """Every rank of ``process_group`` (default: the default group) calls it on the same checkpoint:
     each reads about 1/N of the bytes from storage (local files on a shared filesystem, S3, GCS,
     HTTP), and the chunks are broadcast so that every rank ends with every tensor, bit-identical to
-    a single-process load. CPU destinations over gloo."""
+    a single-process load. CPU destinations over gloo, CUDA ones (each rank its own device, through
+    the pinned staging ring) over NCCL."""
 
     name: ClassVar[str] = "distributed"
 
@@ -35,8 +36,8 @@ class DistributedLoader:
             "zero_copy": "maps whole files; each rank here reads only its share",
             "max_inflight_bytes": "every rank holds the whole checkpoint; use format='streaming' for a window",
         })
-        if torch.device(opts.device).type != "cpu":
-            raise InvalidOptionError(f"device {opts.device!r}: the distributed loader lands tensors on the CPU (gloo); NCCL to GPUs is not built yet")
+        if torch.device(opts.device).type not in TRANSPORTS:
+            raise InvalidOptionError(f"device {opts.device!r}: the distributed loader lands tensors on the CPU (over gloo) or on a CUDA device (over NCCL)")
         if opts.stats is not None and not isinstance(opts.stats, DistributedStats):
             raise InvalidOptionError(f"stats must be a weightstream.DistributedStats, got {type(opts.stats).__name__}")
         check_destination(opts.device, opts.pin_memory)
@@ -48,18 +49,28 @@ class DistributedLoader:
         return _read_and_close(self._stores.take(plan, opts), plan, opts, _group_of(opts), pinned)
 
 
+TRANSPORTS = {"cpu": "gloo", "cuda": "nccl"}
+"""The backend that shares tensors on each kind of device."""
+
+
 def _group_of(opts: LoadOptions) -> Any:
     """The process group of the load (None: the default group), once it is known to be usable."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         raise InvalidOptionError("the distributed loader needs torch.distributed initialised (init_process_group) on every rank")
-    backend = dist.get_backend(opts.process_group)
-    if backend != "gloo":
-        raise InvalidOptionError(f"the distributed loader shares CPU tensors over gloo; the process group's backend is {backend!r}")
+    kind = torch.device(opts.device).type
+    backend = dist.get_backend(opts.process_group)  # "gloo", "nccl", or per device: "cpu:gloo,cuda:nccl"
+    if TRANSPORTS[kind] not in {part.rsplit(":", 1)[-1] for part in backend.split(",")}:
+        raise InvalidOptionError(f"the distributed loader shares {kind.upper()} tensors over {TRANSPORTS[kind]}; the process group's backend is {backend!r}")
     return opts.process_group
 
 
 def _read_and_close(store: Store, plan: LoadPlan, opts: LoadOptions, group: Any, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
     with contextlib.closing(store):
-        yield from read_distributed(store, plan, opts, group, pinned=pinned, stats=opts.stats)
+        if torch.device(opts.device).type == "cuda":
+            from weightstream.memory.cuda import CudaStaging
+
+            yield from read_distributed(store, plan, opts, group, staging=CudaStaging(opts.device), stats=opts.stats)
+        else:
+            yield from read_distributed(store, plan, opts, group, pinned=pinned, stats=opts.stats)

@@ -83,6 +83,7 @@ class CpuStaging:
     """Staging to CPU memory with the CPU engine: the staged reader as CI runs it."""
 
     pinned = False
+    device = torch.device("cpu")
 
     def __init__(self, engine: Callable[[], CopyEngine] = CpuCopyEngine) -> None:
         self._engine = engine
