@@ -77,11 +77,16 @@ def test_to_gpus_over_nccl(tmp_path: Path, world):
 
 
 @pytest.mark.slow
-def test_an_object_store_checkpoint_is_read_once_and_shared(scheme, tmp_path: Path):
+@pytest.mark.parametrize("remote", ["s3", "gs", "http"])
+def test_a_remote_checkpoint_is_read_once_and_shared(remote, request, tmp_path: Path):
     from tests.test_objectstore import upload
 
     local, total = checkpoint(tmp_path)
-    uri = upload(scheme, Path(local), f"distributed-{tmp_path.name}")
+    key = f"distributed-{tmp_path.name}"
+    request.getfixturevalue({"s3": "s3_endpoint", "gs": "gcs_endpoint", "http": "http_base"}[remote])
+    uri = upload("s3" if remote == "http" else remote, Path(local), key)
+    if remote == "http":
+        uri = f"{request.getfixturevalue('http_base')}/{key}"
     results = run_ranks(tmp_path, 2, uri)
     assert all(r.get("bit_exact") for r in results), results
     assert sum(r["stats"]["read_bytes"] for r in results) == total
