@@ -11,6 +11,7 @@ from weightstream.errors import (
     BenchmarkError,
     DeviceMemoryError,
     DeviceUnavailableError,
+    EngineUnavailableError,
     FormatError,
     HeaderError,
     HostMemoryError,
@@ -32,6 +33,7 @@ from weightstream.errors import (
     TruncatedFileError,
     UnknownFormatError,
     UnsupportedInputError,
+    WeightsMismatchError,
     WeightstreamError,
 )
 from weightstream.options import LoadOptions
@@ -45,6 +47,7 @@ __all__ = [
     "DeviceMemoryError",
     "DeviceUnavailableError",
     "DistributedStats",
+    "EngineUnavailableError",
     "FormatError",
     "HeaderError",
     "HostMemoryError",
@@ -67,6 +70,7 @@ __all__ = [
     "TruncatedFileError",
     "UnknownFormatError",
     "UnsupportedInputError",
+    "WeightsMismatchError",
     "WeightstreamError",
     "available_loaders",
     "iter_layers",

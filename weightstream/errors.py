@@ -114,3 +114,12 @@ class DeviceMemoryError(WeightstreamError, MemoryError):
 
 class BenchmarkError(WeightstreamError, RuntimeError):
     """A benchmark run failed, or its conditions (a cold or warm page cache) could not be established."""
+
+
+class EngineUnavailableError(WeightstreamError, ImportError):
+    """An engine adapter was used, but its engine (vLLM, SGLang) is not installed."""
+
+
+class WeightsMismatchError(WeightstreamError, ValueError):
+    """An engine's model and the checkpoint disagree: parameters the checkpoint did not fill, or
+    tensors the model has no parameter for."""

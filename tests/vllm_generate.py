@@ -1,0 +1,49 @@
+"""Greedy tokens from a real vLLM: ``python -m tests.vllm_generate CASES_JSON``.
+
+Run with the vLLM test environment's interpreter. ``CASES_JSON`` is a list of cases, run in order
+in this one process (one engine at a time): ``{"model": DIR, "load_format": NAME, "extra": {...}}``,
+optionally ``"save_sharded": DIR`` (save the loaded model with ``weightstream.engines.vllm``'s
+helper). ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs each engine in this process; the default runs
+it in an engine-core process. Prints one JSON line: a result per case, ``{"tokens": [[...], ...]}``
+or ``{"error": [type, message]}``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+PROMPTS = [[1, 17, 42, 300], [5, 6, 7], [511, 2, 99, 100, 250, 8]]
+
+
+def run(case: dict) -> dict:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    try:
+        llm = LLM(model=case["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0,
+                  kv_cache_memory_bytes=64 << 20, load_format=case["load_format"], model_loader_extra_config=case.get("extra") or {})
+    except Exception as error:  # noqa: BLE001 - the test asserts on it
+        root = error
+        while root.__cause__ is not None:
+            root = root.__cause__
+        return {"error": [type(root).__name__, str(root)], "outer": [type(error).__name__, str(error)]}
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS], params, use_tqdm=False)
+        result: dict = {"tokens": [list(output.outputs[0].token_ids) for output in outputs]}
+        if case.get("save_sharded"):
+            from weightstream.engines.vllm import save_sharded_state
+
+            try:
+                save_sharded_state(llm, case["save_sharded"])
+            except Exception as error:  # noqa: BLE001 - the test asserts on it
+                result["save_error"] = [type(error).__name__, str(error)]
+        return result
+    finally:
+        del llm
+        gc.collect()
+
+
+if __name__ == "__main__":
+    print(json.dumps([run(case) for case in json.loads(sys.argv[1])]), flush=True)

