@@ -77,7 +77,7 @@ def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], di
     cases = {
         "auto": {"model": str(model), "load_format": "auto", "save_sharded": str(paths["served-state"])},
         "weightstream": {"model": str(model), "load_format": "weightstream", "extra": {"save_sharded_state": str(paths["state"])}},
-        "safetensors": {"model": str(model), "load_format": "weightstream-safetensors", "extra": {"threads": 2, "chunk_bytes": 65536}},
+        "safetensors": {"model": str(model), "load_format": "weightstream-safetensors", "extra": {"zero_copy": False, "threads": 2, "chunk_bytes": 65536}},
         "layered": {"model": str(model), "load_format": "weightstream-layered"},
         "distributed": {"model": str(model), "load_format": "weightstream-distributed"},
         "streaming-s3": {"model": str(model), "load_format": "weightstream-streaming", "extra": {"uri": s3_uri, "max_inflight_bytes": 1 << 20, "chunk_bytes": 256 << 10}},

@@ -89,6 +89,10 @@ def _loader_class(base: type, load_format: str, weightstream_format: str) -> typ
 def _load_checkpoint(model: torch.nn.Module, model_config: Any, uri: str, weightstream_format: str, options: dict[str, Any]) -> None:
     """Through the model's own ``load_weights`` (its weight loaders shard and fuse), then the completeness check."""
     device = _device_of(model)
+    if device.type == "cpu" and "zero_copy" not in options and weightstream_format in ("auto", "safetensors") and weightstream.resolve_format(uri) == "safetensors":
+        # The engine copies every tensor into its own parameters: views of the files' page-cache pages
+        # make that the only copy, as in vLLM's own loader (measured warm: 0.57 s mapped, 3.41 s through our memory, auto 0.53).
+        options = {**options, "zero_copy": True}
     if weightstream_format == "distributed":
         from vllm.distributed import get_world_group
 

