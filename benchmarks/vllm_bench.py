@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.engine_envs import vllm_python  # noqa: E402 - the engine environment the tests build
-from weightstream.bench.demo import LlamaShape, llama_state_dict, write_sharded  # noqa: E402
-from weightstream.bench.runner import prepare_cache  # noqa: E402
+from tests.engine_envs import vllm_python
+from weightstream.bench.demo import LlamaShape, llama_state_dict, write_sharded
+from weightstream.bench.runner import prepare_cache
 
 SHAPE = LlamaShape(layers=12)
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 12,
