@@ -39,10 +39,11 @@ def _wait_for(url: str, process: subprocess.Popen, log: Path, seconds: float = 3
     raise RuntimeError(f"server at {url} did not answer within {seconds} s: {log.read_text()[-2000:]}")
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop(process: subprocess.Popen, seconds: float = 15) -> None:
+    """Terminate ``process``; kill it if it is still there after ``seconds``."""
     process.terminate()
     try:
-        process.wait(timeout=15)
+        process.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
@@ -76,7 +77,7 @@ def seaweedfs(directory: Path) -> Iterator[tuple[str, str]]:
         _wait_for_bucket(endpoint, process, log)
         yield endpoint, f"http://127.0.0.1:{filer_port}/buckets/{BUCKET}"
     finally:
-        _stop(process)
+        stop(process)
         for socket_file in set(Path("/tmp").glob("seaweedfs-*.sock")) - sockets_before:
             socket_file.unlink(missing_ok=True)  # weed puts its unix sockets in /tmp whatever TMPDIR says
 
@@ -118,4 +119,4 @@ def fake_gcs(directory: Path) -> Iterator[str]:
         urllib.request.urlopen(request, timeout=10).read()
         yield endpoint
     finally:
-        _stop(process)
+        stop(process)

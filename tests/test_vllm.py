@@ -141,7 +141,7 @@ def test_an_engine_core_process_gives_the_same_tokens(vllm, in_process):
 
 @pytest.mark.slow
 def test_the_openai_server_with_load_format(vllm, in_process, tmp_path: Path):
-    from tests.objstore import free_port
+    from tests.objstore import free_port, stop
     from tests.vllm_generate import PROMPTS
 
     python, model = vllm
@@ -156,12 +156,7 @@ def test_the_openai_server_with_load_format(vllm, in_process, tmp_path: Path):
         _wait_until_up(f"http://127.0.0.1:{port}/health", server, log)
         tokens = [_complete(port, str(model), prompt) for prompt in PROMPTS]
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop(server, seconds=60)
     assert tokens == in_process[0]["auto"]["tokens"]
     text = log.read_text()
     assert "Loading weights took" in text and "(weightstream, format auto)" in text, "our loader ran, and said so in the engine's log"
