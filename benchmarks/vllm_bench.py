@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -46,15 +48,9 @@ TOOK = re.compile(r"Loading weights took ([0-9.]+) seconds")
 def model_directory() -> Path:
     directory = Path.home() / ".cache" / "weightstream" / "demo-vllm-llama-12l-2048h"
     if not (directory / "config.json").exists():
-        write_sharded(llama_state_dict(SHAPE, torch_dtype(), seed=0), directory, shards=2)
+        write_sharded(llama_state_dict(SHAPE, torch.bfloat16, seed=0), directory, shards=2)
         (directory / "config.json").write_text(json.dumps(CONFIG))
     return directory
-
-
-def torch_dtype():
-    import torch
-
-    return torch.bfloat16
 
 
 def run(python: str, model: Path, load_format: str, extra: dict) -> float:

@@ -39,10 +39,10 @@ from weightstream.layers import Layer
 from weightstream.memory.host import HostArena, view_as
 from weightstream.memory.ring import StagingRing
 from weightstream.options import LoadOptions
-from weightstream.plan import PAGE, FileLayout, LoadPlan, TensorSpec, layout_file
+from weightstream.plan import FileLayout, LoadPlan, TensorSpec, layout_file
 from weightstream.reading import THREAD_NAME_PREFIX, open_checked, read_into_arena, start_readers, wants_huge_pages
 from weightstream.sources.base import Source, Store
-from weightstream.staged_reader import Staging, stage_request
+from weightstream.staged_reader import Staging, stage_request, staging_ring
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def read_layers(
         cleanup.callback(buffers.clear)  # registered first: emptied after the readers stopped writing
         ring = None
         if staging is not None:
-            ring = StagingRing(staging.engine(), opts.staging_slot_bytes + PAGE, opts.staging_slots, pinned=staging.pinned)
+            ring = staging_ring(staging, opts)
             cleanup.callback(ring.close)
         readers, stop, futures = start_readers(cleanup, opts)
 

@@ -120,10 +120,9 @@ def _filled_by(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor
 def _load_sharded_state(model: torch.nn.Module, uri: str, options: dict[str, Any]) -> None:
     """Into the model's state dict, as vLLM's ``sharded_state`` does: this worker's files, each tensor
     copied into its parameter (narrowed where LoRA padded it), every parameter filled."""
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
-    rank, world_size, pattern = _sharded_rank(get_pp_group(), get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+    rank, world_size, pattern = _sharded_rank()
     options = {"shard_pattern": pattern, **options}
     state = ShardedStateLoader._filter_subtensors(model.state_dict())
     parameters = list(state)
@@ -135,9 +134,12 @@ def _load_sharded_state(model: torch.nn.Module, uri: str, options: dict[str, Any
     check_filled(parameters, set(parameters) - set(state), uri)
 
 
-def _sharded_rank(pp_group: Any, tp_rank: int, tp_size: int) -> tuple[Rank, Rank, str]:
+def _sharded_rank() -> tuple[Rank, Rank, str]:
     """This worker's rank, world size and file names as vLLM's ``sharded_state`` has them: ``tp_rank``,
     or ``(pp_rank, tp_rank)`` and the pipeline-parallel names when there is more than one stage."""
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    pp_group, tp_rank, tp_size = get_pp_group(), get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     if pp_group.world_size == 1:
         return tp_rank, tp_size, DEFAULT_PATTERN
     return (pp_group.rank_in_group, tp_rank), (pp_group.world_size, tp_size), PP_PATTERN
@@ -168,10 +170,9 @@ def _save_worker_state(worker: Any, directory: str, max_file_bytes: int) -> None
 
 def _save_model_state(model: torch.nn.Module, directory: str, max_file_bytes: int) -> None:
     """This worker's state dict (shared views dropped, as vLLM's own saver does) as its rank's files."""
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
-    rank, world_size, pattern = _sharded_rank(get_pp_group(), get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+    rank, world_size, pattern = _sharded_rank()
     state = ShardedStateLoader._filter_subtensors(model.state_dict())
     weightstream.save_sharded_state(state, directory, rank=rank, world_size=world_size, pattern=pattern, max_file_bytes=max_file_bytes)
 
