@@ -6,7 +6,10 @@ Run with an engine's interpreter (it needs ``transformers``). 2-D weights are re
 
 from __future__ import annotations
 
+import shutil
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 
 def make_tiny_llama(directory: str, seed: int = 0) -> None:
@@ -23,6 +26,35 @@ def make_tiny_llama(directory: str, seed: int = 0) -> None:
             if parameter.dim() == 2:
                 parameter.normal_(0, 0.2)
     model.save_pretrained(directory, safe_serialization=True)
+
+
+def variant(model: Path, directory: Path, change: Callable[[dict], dict]) -> Path:
+    """A copy of ``model`` whose tensors went through ``change(dict) -> dict`` (runs in the tests' environment)."""
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir()
+    for path in model.iterdir():
+        if path.suffix == ".json":
+            shutil.copy(path, directory / path.name)
+    save_file(change(load_file(model / "model.safetensors")), directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def altered(state: dict) -> dict:
+    """One tensor negated: a negative control that must change what the engine computes."""
+    state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * -1
+    return state
+
+
+def without_head(state: dict) -> dict:
+    del state["lm_head.weight"]
+    return state
+
+
+def without_v_proj(state: dict) -> dict:
+    """Layer 0's ``v_proj`` gone: a third of the engine's fused ``qkv_proj`` never written."""
+    del state["model.layers.0.self_attn.v_proj.weight"]
+    return state
 
 
 if __name__ == "__main__":

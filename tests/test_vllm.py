@@ -15,7 +15,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).parent.parent
 ENGINE_TIMEOUT = 600
@@ -40,31 +39,10 @@ def generate(python: str, cases: list[dict], *, in_process: bool = True) -> list
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def variant(model: Path, directory: Path, change) -> Path:
-    """A copy of ``model`` whose tensors went through ``change(dict) -> dict``."""
-    from safetensors.torch import load_file, save_file
-
-    directory.mkdir()
-    for path in model.iterdir():
-        if path.suffix == ".json":
-            shutil.copy(path, directory / path.name)
-    save_file(change(load_file(model / "model.safetensors")), directory / "model.safetensors", metadata={"format": "pt"})
-    return directory
-
-
-def altered(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * -1
-    return state
-
-
-def without_head(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    del state["lm_head.weight"]
-    return state
-
-
 @pytest.fixture(scope="module")
 def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], dict[str, Path]]:
     """Every case in one engine process, one engine after another (imports once): each case's result, and the paths used."""
+    from tests.engine_model import altered, variant, without_head
     from tests.test_objectstore import upload
 
     python, model = vllm

@@ -8,7 +8,11 @@ from collections.abc import Collection, Mapping
 from types import ModuleType
 from typing import Any
 
+import torch
+
+import weightstream
 from weightstream.errors import EngineUnavailableError, InvalidOptionError, WeightsMismatchError
+from weightstream.formats.sharded_state import Rank
 from weightstream.options import LoadOptions
 from weightstream.registry import available_loaders
 
@@ -77,3 +81,63 @@ def check_filled(parameters: Collection[str], filled: Collection[str], uri: str)
     if missing:
         shown = ", ".join(missing[:8]) + (f", ... ({len(missing) - 8} more)" if len(missing) > 8 else "")
         raise WeightsMismatchError(f"{uri} did not fill {len(missing)} of the model's {len(parameters)} parameters: {shown}")
+
+
+def checkpoint_options(device: torch.device, uri: str, weightstream_format: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for reading a checkpoint into an engine's model on ``device``: on a CPU engine, a local
+    safetensors checkpoint is mapped (``zero_copy``) unless the user said otherwise, since the engine
+    copies every tensor into its own parameters and views of the page cache make that the only copy
+    (as the engines' own loaders do; measured warm on vLLM: 0.57 s mapped, 3.41 s through our memory, auto 0.53).
+
+    Example:
+        >>> checkpoint_options(torch.device("cpu"), "s3://bucket/llama", "auto", {"threads": 8})
+        {'threads': 8}
+    """
+    if device.type == "cpu" and "zero_copy" not in options and weightstream_format in ("auto", "safetensors") and weightstream.resolve_format(uri) == "safetensors":
+        return {**options, "zero_copy": True}
+    return options
+
+
+def load_sharded_state_into(state: dict[str, torch.Tensor], uri: str, *, rank: Rank, world_size: Rank, pattern: str, options: dict[str, Any]) -> None:
+    """Copy this rank's sharded-state tensors at ``uri`` into ``state`` (an engine's state dict, shared
+    views dropped), each into its parameter (the front of it where LoRA padded it); every entry must be filled.
+
+    Raises:
+        WeightsMismatchError: a tensor the state lacks (or twice), of another dtype or larger, or entries left unfilled.
+
+    Example:
+        >>> load_sharded_state_into(model_state, "/models/llama-tp2", rank=0, world_size=2,
+        ...                         pattern=DEFAULT_PATTERN, options={})  # doctest: +SKIP
+    """
+    device = next((tensor.device for tensor in state.values()), torch.device("cpu"))
+    remaining = dict(state)
+    for name, tensor in weightstream.iter_weights(uri, format="sharded-state", device=str(device), rank=rank, world_size=world_size,
+                                                  **{"shard_pattern": pattern, **options}):
+        parameter = remaining.pop(name, None)
+        if parameter is None:
+            raise WeightsMismatchError(f"{uri}: tensor {name!r} of rank {rank} is not a parameter of the model" + (" (or came twice)" if name in state else ""))
+        copy_into_parameter(parameter, tensor, name, uri)
+    check_filled(list(state), set(state) - set(remaining), uri)
+
+
+def copy_into_parameter(parameter: torch.Tensor, tensor: torch.Tensor, name: str, uri: str) -> None:
+    """Copy ``tensor`` into ``parameter``, into its front where the parameter is larger (LoRA padding).
+
+    Example:
+        >>> copy_into_parameter(torch.zeros(3), torch.ones(2, dtype=torch.float16), "norm.weight", "/models/llama")
+        Traceback (most recent call last):
+        ...
+        weightstream.errors.WeightsMismatchError: /models/llama: tensor 'norm.weight' is torch.float16 (2,); the model's parameter is torch.float32 (3,)
+    """
+    data = parameter.data
+    if tensor.dtype != data.dtype or tensor.dim() != data.dim() or any(size > limit for size, limit in zip(tensor.shape, data.shape)):
+        raise WeightsMismatchError(f"{uri}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}; the model's parameter is {data.dtype} {tuple(data.shape)}")
+    for dim, size in enumerate(tensor.shape):
+        if size < data.shape[dim]:
+            data = data.narrow(dim, 0, size)
+    data.copy_(tensor)
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (its first parameter's device; CPU without parameters)."""
+    return next((parameter.device for parameter in model.parameters()), torch.device("cpu"))

@@ -25,7 +25,15 @@ from typing import Any
 import torch
 
 import weightstream
-from weightstream.engines.common import check_filled, engine_formats, import_engine, loader_options
+from weightstream.engines.common import (
+    check_filled,
+    checkpoint_options,
+    device_of,
+    engine_formats,
+    import_engine,
+    load_sharded_state_into,
+    loader_options,
+)
 from weightstream.errors import SaveError, WeightsMismatchError
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
 from weightstream.saver import DEFAULT_MAX_FILE_BYTES
@@ -88,11 +96,8 @@ def _loader_class(base: type, load_format: str, weightstream_format: str) -> typ
 
 def _load_checkpoint(model: torch.nn.Module, model_config: Any, uri: str, weightstream_format: str, options: dict[str, Any]) -> None:
     """Through the model's own ``load_weights`` (its weight loaders shard and fuse), then the completeness check."""
-    device = _device_of(model)
-    if device.type == "cpu" and "zero_copy" not in options and weightstream_format in ("auto", "safetensors") and weightstream.resolve_format(uri) == "safetensors":
-        # The engine copies every tensor into its own parameters: views of the files' page-cache pages
-        # make that the only copy, as in vLLM's own loader (measured warm: 0.57 s mapped, 3.41 s through our memory, auto 0.53).
-        options = {**options, "zero_copy": True}
+    device = device_of(model)
+    options = checkpoint_options(device, uri, weightstream_format, options)
     if weightstream_format == "distributed":
         from vllm.distributed import get_world_group
 
@@ -119,19 +124,12 @@ def _filled_by(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor
 
 def _load_sharded_state(model: torch.nn.Module, uri: str, options: dict[str, Any]) -> None:
     """Into the model's state dict, as vLLM's ``sharded_state`` does: this worker's files, each tensor
-    copied into its parameter (narrowed where LoRA padded it), every parameter filled."""
+    copied into its parameter, every parameter filled."""
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
     rank, world_size, pattern = _sharded_rank()
-    options = {"shard_pattern": pattern, **options}
     state = ShardedStateLoader._filter_subtensors(model.state_dict())
-    parameters = list(state)
-    for name, tensor in weightstream.iter_weights(uri, format="sharded-state", device=str(_device_of(model)), rank=rank, world_size=world_size, **options):
-        parameter = state.pop(name, None)
-        if parameter is None:
-            raise WeightsMismatchError(f"{uri}: tensor {name!r} of rank {rank} is not a parameter of the model" + (" (or came twice)" if name in parameters else ""))
-        _copy_into(parameter, tensor, name, uri)
-    check_filled(parameters, set(parameters) - set(state), uri)
+    load_sharded_state_into(state, uri, rank=rank, world_size=world_size, pattern=pattern, options=options)
 
 
 def _sharded_rank() -> tuple[Rank, Rank, str]:
@@ -143,16 +141,6 @@ def _sharded_rank() -> tuple[Rank, Rank, str]:
     if pp_group.world_size == 1:
         return tp_rank, tp_size, DEFAULT_PATTERN
     return (pp_group.rank_in_group, tp_rank), (pp_group.world_size, tp_size), PP_PATTERN
-
-
-def _copy_into(parameter: torch.Tensor, tensor: torch.Tensor, name: str, uri: str) -> None:
-    data = parameter.data
-    if tensor.dtype != data.dtype or tensor.dim() != data.dim() or any(size > limit for size, limit in zip(tensor.shape, data.shape)):
-        raise WeightsMismatchError(f"{uri}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}; the model's parameter is {data.dtype} {tuple(data.shape)}")
-    for dim, size in enumerate(tensor.shape):
-        if size < data.shape[dim]:
-            data = data.narrow(dim, 0, size)  # LoRA pads some parameters: the checkpoint fills the front
-    data.copy_(tensor)
 
 
 def _save_worker_state(worker: Any, directory: str, max_file_bytes: int) -> None:
@@ -175,10 +163,6 @@ def _save_model_state(model: torch.nn.Module, directory: str, max_file_bytes: in
     rank, world_size, pattern = _sharded_rank()
     state = ShardedStateLoader._filter_subtensors(model.state_dict())
     weightstream.save_sharded_state(state, directory, rank=rank, world_size=world_size, pattern=pattern, max_file_bytes=max_file_bytes)
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    return next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
 
 
 def _logger() -> Any:
