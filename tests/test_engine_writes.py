@@ -1,0 +1,123 @@
+"""The engine adapters' pieces that need no engine: which parameter bytes a load wrote, and models
+built with their parameters on meta."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightstream.engines.materialise import materialise, move_parameter, parameters_on_meta
+from weightstream.engines.writes import WriteRecorder
+
+
+class Fused(torch.nn.Module):
+    """A fused projection (three parts in one parameter, filled by part) and a rotary-like buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.empty(6, 4), requires_grad=False)
+        self.qkv.weight_loader = self.load_part
+        self.norm = torch.nn.Parameter(torch.ones(4))
+        self.register_buffer("cache", torch.arange(8.0), persistent=False)
+
+    def load_part(self, parameter: torch.Tensor, tensor: torch.Tensor, part: int) -> None:
+        parameter.data.narrow(0, 2 * part, 2).copy_(tensor)
+
+
+def test_a_fused_parameter_is_filled_only_when_every_part_came():
+    model = Fused()
+    with WriteRecorder() as writes:
+        for part in (0, 2):
+            model.qkv.weight_loader(model.qkv, torch.ones(2, 4), part)
+        model.norm.data.copy_(torch.zeros(4))
+    assert writes.unfilled(dict(model.named_parameters())) == ["qkv"]
+    with writes:
+        model.qkv.weight_loader(model.qkv, torch.ones(2, 4), 1)
+    assert writes.unfilled(dict(model.named_parameters())) == []
+
+
+def test_writes_outside_the_recorder_or_on_other_threads_do_not_count():
+    import threading
+
+    weight = torch.zeros(3, 3)
+    weight.fill_(1.0)
+    with WriteRecorder() as writes:
+        thread = threading.Thread(target=weight.fill_, args=(2.0,))
+        thread.start()
+        thread.join()
+    assert writes.unfilled({"weight": weight}) == ["weight"]
+
+
+def test_forget_drops_what_memory_held_before_it_was_given_out():
+    weight = torch.zeros(4)
+    with WriteRecorder() as writes:
+        weight.fill_(1.0)
+    writes.forget([weight])
+    assert writes.unfilled({"weight": weight}) == ["weight"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 11), st.integers(1, 12)), max_size=6))
+def test_unfilled_is_exactly_whether_every_element_was_written(spans):
+    weight = torch.zeros(12)
+    written = torch.zeros(12, dtype=torch.bool)
+    with WriteRecorder() as writes:
+        for start, length in spans:
+            weight[start:start + length].fill_(1.0)
+            written[start:start + length] = True
+    assert writes.unfilled({"weight": weight}) == ([] if bool(written.all()) else ["weight"])
+
+
+def test_a_strided_write_counts_as_its_span_and_a_meta_parameter_as_unfilled():
+    weight = torch.zeros(3, 4)
+    with WriteRecorder() as writes:
+        weight[:, 0].fill_(1.0)
+        weight[2, 1:].fill_(1.0)
+    assert writes.unfilled({"weight": weight}) == [], "columns 1-3 of rows 0-1 lie inside the column write's span"
+    with parameters_on_meta():
+        layer = torch.nn.Linear(2, 2)
+    assert writes.unfilled(dict(layer.named_parameters())) == ["weight", "bias"]
+
+
+def test_parameters_on_meta_keeps_buffers_attributes_and_identity():
+    with parameters_on_meta():
+        model = Fused()
+    assert model.qkv.device.type == "meta" and model.norm.device.type == "meta"
+    assert torch.equal(model.cache, torch.arange(8.0)), "buffers keep what __init__ computed"
+    qkv = model.qkv
+    assert materialise(model, "", torch.device("cpu")) == [model.qkv, model.norm]
+    assert model.qkv is qkv and model.qkv.weight_loader == model.load_part and not model.qkv.requires_grad and model.norm.requires_grad
+    assert isinstance(model.norm, torch.nn.Parameter) and model.norm.device.type == "cpu"
+
+
+def test_parameters_on_meta_is_undone_when_construction_fails():
+    register = torch.nn.Module.register_parameter
+    with pytest.raises(ZeroDivisionError), parameters_on_meta():
+        torch.nn.Linear(2, 2)
+        raise ZeroDivisionError
+    assert torch.nn.Module.register_parameter is register
+    assert torch.nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_materialise_gives_tied_aliases_one_memory():
+    with parameters_on_meta():
+        model = torch.nn.Module()
+        model.embed = torch.nn.Embedding(4, 2)
+        model.head = torch.nn.Linear(2, 4, bias=False)
+    model.head.weight = model.embed.weight
+    assert len(materialise(model, "head", torch.device("cpu"))) == 1
+    assert model.embed.weight.device.type == "cpu" and model.head.weight is model.embed.weight
+
+
+def test_move_parameter_keeps_a_subclass():
+    class Tagged(torch.nn.Parameter):
+        @property
+        def tag(self) -> str:
+            return self._tag
+
+    weight = Tagged(torch.zeros(2))
+    weight._tag = "kept"
+    move_parameter(weight, "meta")
+    assert type(weight) is Tagged and weight.tag == "kept" and weight.device.type == "meta"

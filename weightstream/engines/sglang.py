@@ -1,0 +1,214 @@
+"""The SGLang adapter: ``--load-format weightstream`` (or ``weightstream-<format>``) loads the model's
+weights with weightstream, options from ``--model-loader-extra-config``.
+
+The package's ``sglang.srt.plugins`` entry point calls :func:`register` in every SGLang process
+(before the CLI parses, in the engine and its scheduler processes): it adds the names to
+``--load-format``'s choices and maps each to its loader class when SGLang checks the load format.
+From Python, pass the class itself, as SGLang allows::
+
+    from weightstream.engines.sglang import loader_class
+    engine = sglang.Engine(model_path="/models/llama", load_format=loader_class("weightstream-layered"))
+
+Command line::
+
+    python -m sglang.launch_server --model-path /models/llama --load-format weightstream-streaming \\
+        --model-loader-extra-config '{"uri": "s3://bucket/llama", "threads": 32}'
+
+``uri`` (optional) says where the weights are when not beside the model's config. Every parameter
+must be filled, every byte of it (seen from the writes: a fused ``qkv_proj`` missing its ``v`` part
+is unfilled): ``WeightsMismatchError`` otherwise, naming them. ``weightstream-layered`` builds the
+model with its parameters on the meta device and gives each layer's parameters memory just before
+that layer is loaded (SGLang's own ``layered``, with the modules' buffers kept); ``weightstream-sharded-state``
+loads into the state dict after the quantization methods' post-processing, as SGLang's ``sharded_state`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any
+
+import torch
+
+import weightstream
+from weightstream.engines.common import (
+    check_filled,
+    checkpoint_options,
+    engine_formats,
+    import_engine,
+    load_sharded_state_into,
+    loader_options,
+)
+from weightstream.engines.materialise import materialise, parameters_on_meta
+from weightstream.engines.writes import WriteRecorder
+from weightstream.errors import UnknownFormatError
+from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN
+
+INSTALL = "pip install sglang"
+VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
+"""The method SGLang checks ``--load-format`` strings with; our AROUND hook maps our names to classes."""
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Add ``engine_formats()``'s names to SGLang's ``--load-format`` choices and map them to their loader
+    classes when SGLang checks a load format; SGLang's plugin loader calls it.
+
+    Example:
+        >>> from weightstream.engines import sglang
+        >>> sglang.register()  # doctest: +SKIP
+    """
+    choices = import_engine("sglang.srt.arg_groups.choices", INSTALL)
+    hooks = import_engine("sglang.srt.plugins.hook_registry", INSTALL)
+    choices.add_load_format_choices([name for name in engine_formats() if name not in choices.LOAD_FORMAT_CHOICES])
+    hooks.HookRegistry.register(VERIFY_LOAD_FORMAT, _verify_load_format, hooks.HookType.AROUND)
+
+
+def loader_class(load_format: str = "weightstream") -> type:
+    """The SGLang ``BaseModelLoader`` subclass for ``load_format`` (one of ``engine_formats()``), the same
+    class at every call; pass it as SGLang's ``load_format``.
+
+    Raises:
+        UnknownFormatError: a name that is not one of ours.
+        EngineUnavailableError: SGLang is not installed.
+
+    Example:
+        >>> loader_class("weightstream-layered").__name__  # doctest: +SKIP
+        'WeightstreamModelLoader_weightstream_layered'
+    """
+    formats = engine_formats()
+    if load_format not in formats:
+        raise UnknownFormatError(f"{load_format!r} is not a weightstream load format; known: {', '.join(sorted(formats))}")
+    return _loader_class(load_format, formats[load_format])
+
+
+def _verify_load_format(original: Any, load_config: Any) -> None:
+    name = load_config.load_format
+    if isinstance(name, str) and name.lower() in engine_formats():
+        load_config.load_format = loader_class(name.lower())
+        return None
+    return original(load_config)
+
+
+@functools.cache
+def _loader_class(load_format: str, weightstream_format: str) -> type:
+    base = import_engine("sglang.srt.model_loader.loader", INSTALL).BaseModelLoader
+
+    class WeightstreamModelLoader(base):  # type: ignore[misc, valid-type]
+        __doc__ = f"SGLang's --load-format {load_format}: weightstream's {weightstream_format!r} loader."
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            self.uri, self.options = loader_options(load_config.model_loader_extra_config, load_format)
+
+        def download_model(self, model_config: Any) -> None:
+            """Nothing to download: the weights are read where they are, local or remote."""
+
+        def load_model(self, *, model_config: Any, device_config: Any) -> torch.nn.Module:
+            uri = self.uri or model_config.model_path
+            started = time.perf_counter()
+            if weightstream_format == "sharded-state":
+                model = _load_sharded_state(self.load_config, model_config, device_config, uri, self.options)
+            elif weightstream_format == "layered":
+                model = _load_layered(self.load_config, model_config, device_config, uri, self.options)
+            else:
+                model = _load_checkpoint(self.load_config, model_config, device_config, uri, weightstream_format, self.options)
+            logger.info("Loading weights took %.2f seconds (weightstream, format %s)", time.perf_counter() - started, weightstream_format)
+            return model.eval()
+
+    WeightstreamModelLoader.__name__ = WeightstreamModelLoader.__qualname__ = "WeightstreamModelLoader_" + load_format.replace("-", "_")
+    return WeightstreamModelLoader
+
+
+def _build(load_config: Any, model_config: Any, device: torch.device, *, on_meta: bool = False) -> torch.nn.Module:
+    """The model as SGLang's own loaders build it: its quantization config, default dtype, on ``device``."""
+    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    quantization = _get_quantization_config(model_config, load_config)
+    with set_default_torch_dtype(model_config.dtype), device:
+        if on_meta:
+            with parameters_on_meta():
+                return _initialize_model(model_config, load_config, quantization)
+        return _initialize_model(model_config, load_config, quantization)
+
+
+def _load_checkpoint(load_config: Any, model_config: Any, device_config: Any, uri: str, weightstream_format: str, options: dict[str, Any]) -> torch.nn.Module:
+    """Through the model's own ``load_weights`` (its weight loaders shard and fuse), checked, then post-processed."""
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    device = _target_device(device_config)
+    model = _build(load_config, model_config, device)
+    options = checkpoint_options(device, uri, weightstream_format, options)
+    if weightstream_format == "distributed":
+        from sglang.srt.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+        options = {**options, "process_group": group.cpu_group if device.type == "cpu" else group.device_group}
+    with set_default_torch_dtype(model_config.dtype), WriteRecorder() as writes:
+        model.load_weights(weightstream.iter_weights(uri, format=weightstream_format, device=str(device), **options))
+    _check_and_postprocess(model, model_config, writes, uri, device)
+    return model
+
+
+def _load_layered(load_config: Any, model_config: Any, device_config: Any, uri: str, options: dict[str, Any]) -> torch.nn.Module:
+    """Parameters on meta; each layer's parameters get memory just before the layer is loaded (its key is
+    its module's path: ``model.layers.3``), one ``load_weights`` call per layer."""
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    device = _target_device(device_config)
+    model = _build(load_config, model_config, device, on_meta=True)
+    with set_default_torch_dtype(model_config.dtype), WriteRecorder() as writes:
+        for key, tensors in weightstream.iter_layers(uri, device=str(device), **options):
+            writes.forget(materialise(model, key, device))
+            model.load_weights(list(tensors.items()))
+    _check_and_postprocess(model, model_config, writes, uri, device)
+    return model
+
+
+def _check_and_postprocess(model: torch.nn.Module, model_config: Any, writes: WriteRecorder, uri: str, device: torch.device) -> None:
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    parameters = dict(model.named_parameters())
+    if model_config.quantization is None:
+        unfilled = set(writes.unfilled(parameters))
+        check_filled(parameters, set(parameters) - unfilled, uri)
+    DefaultModelLoader.postprocess_weights(model, device)
+
+
+def _load_sharded_state(load_config: Any, model_config: Any, device_config: Any, uri: str, options: dict[str, Any]) -> torch.nn.Module:
+    """As SGLang's ``sharded_state``: the model built and its quantization methods' post-processing run
+    first (the state was saved after it), then this rank's tensors copied into its state dict."""
+    from sglang.srt.distributed.parallel_state import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+    from sglang.srt.model_loader.loader import ShardedStateLoader, post_load_weights
+
+    device = _target_device(device_config)
+    model = _build(load_config, model_config, device)
+    for _, module in model.named_modules():
+        quant_method = getattr(module, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(module)
+    pp_size, tp_rank, tp_size = get_pp_group().world_size, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    if pp_size == 1:
+        rank, world_size, pattern = tp_rank, tp_size, DEFAULT_PATTERN
+    else:
+        rank, world_size, pattern = (get_pp_group().rank_in_group, tp_rank), (pp_size, tp_size), PP_PATTERN
+    state = ShardedStateLoader._filter_subtensors(model.state_dict())
+    load_sharded_state_into(state, uri, rank=rank, world_size=world_size, pattern=pattern, options=options)
+    post_load_weights(model)
+    return model
+
+
+def _target_device(device_config: Any) -> torch.device:
+    """SGLang's device, with the current GPU's index where it names none (``cuda``)."""
+    device = torch.device(device_config.device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
