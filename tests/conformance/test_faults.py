@@ -18,13 +18,16 @@ from weightstream.bench.demo import LlamaShape, llama_state_dict
 MIB = 1 << 20
 
 
+@pytest.fixture(scope="module")
+def big_state() -> dict[str, torch.Tensor]:
+    """About 192 MiB, so that freed memory shows in RSS; drawn once (0.7 s), written afresh for each test."""
+    return llama_state_dict(LlamaShape(hidden=1024, intermediate=2816, layers=8, vocab=8000))
+
+
 @pytest.fixture(params=CASES, ids=[f"{name}-{writer.__name__}" for name, writer in CASES])
-def big_checkpoint(request, tmp_path: Path):
-    """About 192 MiB, so that freed memory shows in RSS."""
+def big_checkpoint(request, big_state, tmp_path: Path):
     name, writer = request.param
-    state = llama_state_dict(LlamaShape(hidden=1024, intermediate=2816, layers=8, vocab=8000))
-    uri = writer(state, tmp_path / "ckpt")
-    del state
+    uri = writer(big_state, tmp_path / "ckpt")
     with running(name, tmp_path):
         yield name, uri
 
