@@ -3,6 +3,7 @@ the completeness check engines do not do themselves."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Collection, Mapping
 from types import ModuleType
@@ -111,12 +112,13 @@ def load_sharded_state_into(state: dict[str, torch.Tensor], uri: str, *, rank: R
     """
     device = next((tensor.device for tensor in state.values()), torch.device("cpu"))
     remaining = dict(state)
-    for name, tensor in weightstream.iter_weights(uri, format="sharded-state", device=str(device), rank=rank, world_size=world_size,
-                                                  **{"shard_pattern": pattern, **options}):
-        parameter = remaining.pop(name, None)
-        if parameter is None:
-            raise WeightsMismatchError(f"{uri}: tensor {name!r} of rank {rank} is not a parameter of the model" + (" (or came twice)" if name in state else ""))
-        copy_into_parameter(parameter, tensor, name, uri)
+    weights = weightstream.iter_weights(uri, format="sharded-state", device=str(device), rank=rank, world_size=world_size, **{"shard_pattern": pattern, **options})
+    with contextlib.closing(weights):  # a mismatch stops the load's readers at once, not when the traceback goes
+        for name, tensor in weights:
+            parameter = remaining.pop(name, None)
+            if parameter is None:
+                raise WeightsMismatchError(f"{uri}: tensor {name!r} of rank {rank} is not a parameter of the model" + (" (or came twice)" if name in state else ""))
+            copy_into_parameter(parameter, tensor, name, uri)
     check_filled(list(state), set(state) - set(remaining), uri)
 
 

@@ -24,6 +24,7 @@ loads into the state dict after the quantization methods' post-processing, as SG
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -147,8 +148,10 @@ def _load_checkpoint(load_config: Any, model_config: Any, device_config: Any, ur
 
         group = get_world_group()
         options = {**options, "process_group": group.cpu_group if device.type == "cpu" else group.device_group}
-    with set_default_torch_dtype(model_config.dtype), WriteRecorder() as writes:
-        model.load_weights(weightstream.iter_weights(uri, format=weightstream_format, device=str(device), **options))
+    weights = weightstream.iter_weights(uri, format=weightstream_format, device=str(device), **options)
+    # closed: an error in the model's weight loaders stops the load's readers at once
+    with set_default_torch_dtype(model_config.dtype), WriteRecorder() as writes, contextlib.closing(weights):
+        model.load_weights(weights)
     _check_and_postprocess(model, model_config, writes, uri, device)
     return model
 
@@ -160,8 +163,9 @@ def _load_layered(load_config: Any, model_config: Any, device_config: Any, uri: 
 
     device = _target_device(device_config)
     model = _build(load_config, model_config, device, on_meta=True)
-    with set_default_torch_dtype(model_config.dtype), WriteRecorder() as writes:
-        for key, tensors in weightstream.iter_layers(uri, device=str(device), **options):
+    layers = weightstream.iter_layers(uri, device=str(device), **options)
+    with set_default_torch_dtype(model_config.dtype), WriteRecorder() as writes, contextlib.closing(layers):
+        for key, tensors in layers:
             writes.forget(materialise(model, key, device))
             model.load_weights(list(tensors.items()))
     _check_and_postprocess(model, model_config, writes, uri, device)

@@ -17,6 +17,7 @@ otherwise, naming them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -107,10 +108,12 @@ def _load_checkpoint(model: torch.nn.Module, model_config: Any, uri: str, weight
         # One load_weights call per layer: vLLM's nested weight iterators keep the last tensors they saw
         # referenced until they resume, which would pin the layered loader's reused buffers.
         filled = set()
-        for _, tensors in weightstream.iter_layers(uri, device=str(device), **options):
-            filled |= _filled_by(model, tensors.items(), uri)
+        with contextlib.closing(weightstream.iter_layers(uri, device=str(device), **options)) as layers:
+            for _, tensors in layers:
+                filled |= _filled_by(model, tensors.items(), uri)
     else:
-        filled = _filled_by(model, weightstream.iter_weights(uri, format=weightstream_format, device=str(device), **options), uri)
+        with contextlib.closing(weightstream.iter_weights(uri, format=weightstream_format, device=str(device), **options)) as weights:
+            filled = _filled_by(model, weights, uri)  # closed: an error in the model's weight loaders stops the load's readers at once
     if model_config.quantization is None:
         check_filled([name for name, _ in model.named_parameters()], filled, uri)
 
