@@ -27,7 +27,7 @@ run() {
     export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/machine.txt"
     python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, torch.version.cuda, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/machine.txt"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee "$OUT/tests.log"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 0 -m cuda tests 2>&1 | tee "$OUT/tests.log"
     # Warm and cold as separate runs, so that a timeout in one keeps the other's figures.
     for cache in warm cold; do
         timeout 200 python3 -m weightstream.cli bench --device cuda --size 8GiB --shards 4 --rounds 2 --cache "$cache" \

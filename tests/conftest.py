@@ -8,6 +8,7 @@ import gc
 import importlib.util
 import json
 import os
+import shutil
 import struct
 import tempfile
 import threading
@@ -21,6 +22,16 @@ from safetensors.torch import save_file
 from weightstream.bench.demo import LlamaShape, llama_state_dict
 
 TINY_LLAMA = LlamaShape(hidden=64, intermediate=160, layers=3, vocab=96)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker gets a temporary directory of its own (``TMPDIR``, inherited by the
+    servers and engines it starts), so that ``no_leaks`` sees only what this worker's tests leave behind."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        private = tempfile.mkdtemp(prefix=f"weightstream-tests-{worker}-")
+        os.environ["TMPDIR"] = tempfile.tempdir = private
+        config.add_cleanup(lambda: shutil.rmtree(private, ignore_errors=True))
 
 
 @pytest.fixture
