@@ -16,24 +16,16 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).parent))
 
-ROOT = Path(__file__).parent.parent
-sys.path.insert(0, str(ROOT))
+from engine_bench import interleaved_rounds, model_directory, summarise
 
 from tests.engine_envs import vllm_python
-from weightstream.bench.demo import LlamaShape, llama_state_dict, write_sharded
-from weightstream.bench.runner import prepare_cache
 
-SHAPE = LlamaShape(layers=12)
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 12,
-          "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-          "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu"}
 METHODS = {"auto": ("auto", {}), "weightstream": ("weightstream", {}), "weightstream-copy": ("weightstream", {"zero_copy": False})}
 """``weightstream``: the adapter's default on a CPU engine (local files mapped, ``zero_copy``);
 ``weightstream-copy``: read into weightstream's own memory first, then copied by the engine."""
@@ -44,14 +36,6 @@ LLM(model=sys.argv[1], load_format=sys.argv[2], model_loader_extra_config=json.l
     enforce_eager=True, max_model_len=128, max_num_seqs=4, kv_cache_memory_bytes=64 << 20, seed=0)
 """
 TOOK = re.compile(r"Loading weights took ([0-9.]+) seconds")
-
-
-def model_directory() -> Path:
-    directory = Path.home() / ".cache" / "weightstream" / "demo-vllm-llama-12l-2048h"
-    if not (directory / "config.json").exists():
-        write_sharded(llama_state_dict(SHAPE, torch.bfloat16, seed=0), directory, shards=2)
-        (directory / "config.json").write_text(json.dumps(CONFIG))
-    return directory
 
 
 def run(python: str, model: Path, load_format: str, extra: dict, checkout: str | None = None) -> float:
@@ -79,21 +63,12 @@ def main() -> None:
     methods = args.methods.split(",")
     if args.baseline:
         methods += [f"{method}@baseline" for method in methods if method.startswith("weightstream")]
-    runs: dict[str, dict[str, list[float]]] = {cache: {method: [] for method in methods} for cache in ("cold", "warm")}
-    for round_number in range(args.rounds):
-        for cache in ("cold", "warm"):
-            for method in methods[round_number % len(methods):] + methods[: round_number % len(methods)]:
-                prepare_cache(files, cache)
-                name, _, baseline = method.partition("@")
-                runs[cache][method].append(run(python, model, *METHODS[name], checkout=args.baseline if baseline else None))
-                print(f"round {round_number + 1} {cache} {method:24s} {runs[cache][method][-1]:.2f} s", file=sys.stderr)
-    summary = []
-    for cache, by_method in runs.items():
-        auto = statistics.median(by_method["auto"]) if "auto" in by_method else None
-        for method, seconds in by_method.items():
-            median = statistics.median(seconds)
-            summary.append({"cache": cache, "method": method, "seconds_median": median, "seconds": seconds, "x_auto": median / auto if auto else None})
-            print(f"{cache:5s} {method:24s} {median:6.2f} s  ({', '.join(f'{s:.2f}' for s in seconds)})" + (f"  {median / auto:.2f}x auto" if auto else ""))
+
+    def run_method(method: str) -> float:
+        name, _, baseline = method.partition("@")
+        return run(python, model, *METHODS[name], checkout=args.baseline if baseline else None)
+
+    summary = summarise(interleaved_rounds(methods, args.rounds, files, run_method), "auto")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(model), "bytes": total, "rounds": args.rounds, "baseline": args.baseline, "summary": summary}, indent=2))
 
