@@ -6,7 +6,8 @@ multi-threaded safetensors loader), on the CPU, cold and warm page cache, rounds
 No SGLang engine runs on a CPU: each run is a fresh process of the tests' SGLang environment
 (``tests/engine_envs.py``, the real ``sglang`` package) that builds SGLang's own ``LlamaForCausalLM``
 on the CPU through ``get_model_loader(...).load_model(...)``, as SGLang's model runner does, and
-times that call (the model's construction included, the same for every method). The model is
+times that call (the model's construction included, the same for every method; SGLang's import of
+its model modules, ~3 s on the first architecture look-up, done before). The model is
 ``engine_bench.py``'s (1.34 GB bf16 Llama).
 """
 
@@ -38,7 +39,9 @@ from sglang.srt.configs.device_config import DeviceConfig
 from sglang.srt.configs.load_config import LoadConfig
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.model_loader.loader import get_model_loader
+from sglang.srt.model_loader.utils import get_model_architecture
 model_config = ModelConfig(sys.argv[1], dtype="bfloat16")
+get_model_architecture(model_config)  # imports every model module once (~3 s): not loading, and the same for every method
 loader = get_model_loader(LoadConfig(load_format=sys.argv[2], model_loader_extra_config=json.loads(sys.argv[3])), model_config)
 started = time.perf_counter()
 loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
