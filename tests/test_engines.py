@@ -1,7 +1,11 @@
-"""The engine adapters' pieces that need no engine: which parameter bytes a load wrote, and models
-built with their parameters on meta."""
+"""The engine adapters without an engine: importing them imports none; which parameter bytes a load
+wrote; models built with their parameters on meta."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +14,14 @@ from hypothesis import strategies as st
 
 from weightstream.engines.materialise import materialise, move_parameter, parameters_on_meta
 from weightstream.engines.writes import WriteRecorder
+
+
+def test_importing_weightstream_and_its_adapters_imports_no_engine():
+    script = ("import sys, weightstream, weightstream.engines.vllm, weightstream.engines.sglang, weightstream.engines.common; "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'sglang')))")
+    result = subprocess.run([sys.executable, "-c", script], check=False, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 class Fused(torch.nn.Module):
