@@ -45,6 +45,7 @@ def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
         "cases": {
             "auto": {"model": str(model), "load_format": "auto"},
             "weightstream": {"model": str(model), "load_format": "weightstream"},
+            "weightstream-cold": {"model": str(model), "load_format": "weightstream", "cold": True},
             "safetensors": {"model": str(model), "load_format": "weightstream-safetensors", "extra": {"zero_copy": False, "threads": 2, "chunk_bytes": 65536}},
             "layered": {"model": str(model), "load_format": "weightstream-layered", "extra": {"prefetch_layers": 1}},
             "distributed": {"model": str(model), "load_format": "weightstream-distributed"},
@@ -92,9 +93,17 @@ def test_every_format_fills_sglangs_llama_as_its_own_loader_does(sglang):
     results, _ = sglang
     reference = results["auto"]
     assert "model.layers.0.self_attn.qkv_proj.weight" in reference["names"] and "model.layers.0.self_attn.rotary_emb.cos_sin_cache" in reference["names"]
-    for name in ("weightstream", "safetensors", "layered", "distributed", "streaming-s3", "class"):
+    for name in ("weightstream", "weightstream-cold", "safetensors", "layered", "distributed", "streaming-s3", "class"):
         assert results[name].get("differ") == [] and results[name]["names"] == reference["names"], (name, results[name])
     assert results["layered"]["loader"] == "WeightstreamModelLoader_weightstream_layered"
+
+
+@pytest.mark.slow
+def test_a_cold_checkpoint_is_read_layer_by_layer_and_a_warm_one_mapped(sglang):
+    results, paths = sglang
+    assert any(said.startswith(f"{paths['model']}: ") and said.endswith("% in the page cache: reading it layer by layer while the engine copies")
+               for said in results["weightstream-cold"]["said"]), results["weightstream-cold"]["said"]
+    assert not any("layer by layer" in said for said in results["weightstream"]["said"])
 
 
 @pytest.mark.slow

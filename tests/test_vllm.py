@@ -55,6 +55,7 @@ def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], di
     cases = {
         "auto": {"model": str(model), "load_format": "auto", "save_sharded": str(paths["served-state"])},
         "weightstream": {"model": str(model), "load_format": "weightstream", "extra": {"save_sharded_state": str(paths["state"])}},
+        "weightstream-cold": {"model": str(model), "load_format": "weightstream", "cold": True},
         "safetensors": {"model": str(model), "load_format": "weightstream-safetensors", "extra": {"zero_copy": False, "threads": 2, "chunk_bytes": 65536}},
         "layered": {"model": str(model), "load_format": "weightstream-layered"},
         "distributed": {"model": str(model), "load_format": "weightstream-distributed"},
@@ -75,8 +76,15 @@ def test_every_format_gives_the_tokens_of_auto(in_process):
     results, _ = in_process
     reference = results["auto"]["tokens"]
     assert len({token for prompt in reference for token in prompt}) > 8, "greedy output is degenerate: the comparison would prove little"
-    for name in ("weightstream", "safetensors", "layered", "distributed", "streaming-s3"):
+    for name in ("weightstream", "weightstream-cold", "safetensors", "layered", "distributed", "streaming-s3"):
         assert results[name].get("tokens") == reference, (name, results[name])
+
+
+@pytest.mark.slow
+def test_on_a_cpu_engine_a_cold_checkpoint_is_read_layer_by_layer_and_a_warm_one_mapped(in_process):
+    results, _ = in_process
+    assert any(re.fullmatch(r".*/tiny: \d+% in the page cache: reading it layer by layer while the engine copies", said) for said in results["weightstream-cold"]["said"])
+    assert not any("layer by layer" in said for said in results["weightstream"]["said"]), "after auto read it, it is in the page cache: mapped"
 
 
 @pytest.mark.slow

@@ -3,21 +3,50 @@
 Run with the vLLM test environment's interpreter. ``CASES_JSON`` is a list of cases, run in order
 in this one process (one engine at a time): ``{"model": DIR, "load_format": NAME, "extra": {...}}``,
 optionally ``"save_sharded": DIR`` (save the loaded model with ``weightstream.engines.vllm``'s
-helper). ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs each engine in this process; the default runs
-it in an engine-core process. Prints one JSON line: a result per case, ``{"tokens": [[...], ...]}``
-or ``{"error": [type, message]}``.
+helper) and ``"cold": true`` (the model's files dropped from the page cache first). Run with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``: each engine in this process. Prints one JSON line: a result
+per case, ``{"tokens": [[...], ...], "said": [...]}`` (what the adapters logged) or ``{"error": [type, message]}``.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import logging
 import sys
+from pathlib import Path
 
 PROMPTS = [[1, 17, 42, 300], [5, 6, 7], [511, 2, 99, 100, 250, 8]]
 
 
+class Said(logging.Handler):
+    """What weightstream's engine adapters log, kept."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def run(case: dict) -> dict:
+    from weightstream.sources.pagecache import drop
+
+    if case.get("cold"):
+        for path in Path(case["model"]).glob("*.safetensors"):
+            drop(str(path))
+    said = Said()
+    adapters = logging.getLogger("weightstream.engines")
+    adapters.setLevel(logging.INFO)
+    adapters.addHandler(said)
+    try:
+        return generate(case) | {"said": said.messages}
+    finally:
+        adapters.removeHandler(said)
+
+
+def generate(case: dict) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     try:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Collection, Mapping
+import logging
+import os
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -13,9 +15,12 @@ import torch
 
 import weightstream
 from weightstream.errors import EngineUnavailableError, InvalidOptionError, WeightsMismatchError
+from weightstream.formats.checkpoint import find_files
 from weightstream.formats.sharded_state import Rank
 from weightstream.options import LoadOptions
 from weightstream.registry import available_loaders
+from weightstream.sources.local import LocalStore
+from weightstream.sources.pagecache import resident_fraction
 
 
 def engine_formats() -> dict[str, str]:
@@ -30,6 +35,8 @@ def engine_formats() -> dict[str, str]:
     """
     return {"weightstream": "auto", **{f"weightstream-{name}": name for name in available_loaders()}}
 
+
+logger = logging.getLogger(__name__)
 
 ENGINE_OWNED = frozenset({"device", "format", "process_group", "rank", "world_size"})
 """Options the engine decides (where its parameters are, its ranks); refused in the extra config."""
@@ -84,19 +91,58 @@ def check_filled(parameters: Collection[str], filled: Collection[str], uri: str)
         raise WeightsMismatchError(f"{uri} did not fill {len(missing)} of the model's {len(parameters)} parameters: {shown}")
 
 
-def checkpoint_options(device: torch.device, uri: str, weightstream_format: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` for reading a checkpoint into an engine's model on ``device``: on a CPU engine, a local
-    safetensors checkpoint is mapped (``zero_copy``) unless the user said otherwise, since the engine
-    copies every tensor into its own parameters and views of the page cache make that the only copy
-    (as the engines' own loaders do; measured warm on vLLM: 0.57 s mapped, 3.41 s through our memory, auto 0.53).
+RESIDENT_FOR_MAPPING = 0.5
+"""On a CPU engine, ``weightstream`` (``auto``) maps a local checkpoint when at least this fraction of it
+is in the page cache, and reads it layer by layer otherwise."""
+
+
+def checkpoint_reading(device: torch.device, uri: str, weightstream_format: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The weightstream format and options to read a checkpoint into an engine's model on ``device`` with.
+
+    On a CPU engine the engine copies every tensor into its own parameters, and a local safetensors
+    checkpoint is read as measured fastest (``benchmarks/README.md``, vLLM and SGLang sections):
+    in the page cache, mapped (``zero_copy``: the engine's copy out of the page cache is the only one;
+    warm vLLM 0.56 s against auto's 0.53, through our own memory first 3.4 s); not in it (less than
+    ``RESIDENT_FOR_MAPPING``), for ``weightstream`` (``auto``), layer by layer (``layered``: reader threads
+    read the next layer from the disk while the engine copies one, where the mapping's reads are
+    the page faults of the engine's one copy loop; cold vLLM 1.0-1.16 s mapped 1.15-1.47, auto 1.43-1.8).
+    ``weightstream-safetensors`` is always mapped. An explicit ``zero_copy`` is kept as it is.
 
     Example:
-        >>> checkpoint_options(torch.device("cpu"), "s3://bucket/llama", "auto", {"threads": 8})
-        {'threads': 8}
+        >>> checkpoint_reading(torch.device("cpu"), "s3://bucket/llama", "auto", {"threads": 8})
+        ('auto', {'threads': 8})
     """
-    if device.type == "cpu" and "zero_copy" not in options and weightstream_format in ("auto", "safetensors") and weightstream.resolve_format(uri) == "safetensors":
-        return {**options, "zero_copy": True}
-    return options
+    if device.type != "cpu" or "zero_copy" in options or weightstream_format not in ("auto", "safetensors") or weightstream.resolve_format(uri) != "safetensors":
+        return weightstream_format, options
+    if weightstream_format == "auto":
+        files = find_files(LocalStore(), uri).files
+        resident = sum(resident_fraction(path) * os.path.getsize(path) for path in files) / max(1, sum(os.path.getsize(path) for path in files))
+        if resident < RESIDENT_FOR_MAPPING:
+            logger.info("%s: %.0f%% in the page cache: reading it layer by layer while the engine copies", uri, 100 * resident)
+            return "layered", options
+    return weightstream_format, {**options, "zero_copy": True}
+
+
+@contextlib.contextmanager
+def weight_batches(uri: str, weightstream_format: str, device: torch.device, options: dict[str, Any]) -> Iterator[Iterator[Iterable[tuple[str, torch.Tensor]]]]:
+    """What to hand an engine's ``load_weights``, call after call: one iterator of every tensor, or for
+    ``layered`` one list per layer (engines' nested weight iterators keep the last tensors they saw
+    referenced until they resume, which would pin the layered loader's reused buffers). The load is
+    closed on leaving, so that an error in the engine's weight loaders stops its readers at once.
+
+    Example:
+        >>> with weight_batches("/models/llama", "layered", torch.device("cpu"), {}) as batches:  # doctest: +SKIP
+        ...     for batch in batches:
+        ...         model.load_weights(batch)
+    """
+    if weightstream_format == "layered":
+        layers = weightstream.iter_layers(uri, device=str(device), **options)
+        with contextlib.closing(layers):
+            yield (list(tensors.items()) for _, tensors in layers)
+    else:
+        weights = weightstream.iter_weights(uri, format=weightstream_format, device=str(device), **options)
+        with contextlib.closing(weights):
+            yield iter((weights,))
 
 
 def load_sharded_state_into(state: dict[str, torch.Tensor], uri: str, *, rank: Rank, world_size: Rank, pattern: str, options: dict[str, Any]) -> None:

@@ -35,11 +35,12 @@ import torch
 import weightstream
 from weightstream.engines.common import (
     check_filled,
-    checkpoint_options,
+    checkpoint_reading,
     engine_formats,
     import_engine,
     load_sharded_state_into,
     loader_options,
+    weight_batches,
 )
 from weightstream.engines.materialise import materialise, parameters_on_meta
 from weightstream.engines.writes import WriteRecorder
@@ -142,16 +143,15 @@ def _load_checkpoint(load_config: Any, model_config: Any, device_config: Any, ur
 
     device = _target_device(device_config)
     model = _build(load_config, model_config, device)
-    options = checkpoint_options(device, uri, weightstream_format, options)
+    weightstream_format, options = checkpoint_reading(device, uri, weightstream_format, options)
     if weightstream_format == "distributed":
         from sglang.srt.distributed.parallel_state import get_world_group
 
         group = get_world_group()
         options = {**options, "process_group": group.cpu_group if device.type == "cpu" else group.device_group}
-    weights = weightstream.iter_weights(uri, format=weightstream_format, device=str(device), **options)
-    # closed: an error in the model's weight loaders stops the load's readers at once
-    with set_default_torch_dtype(model_config.dtype), WriteRecorder() as writes, contextlib.closing(weights):
-        model.load_weights(weights)
+    with set_default_torch_dtype(model_config.dtype), WriteRecorder() as writes, weight_batches(uri, weightstream_format, device, options) as batches:
+        for batch in batches:
+            model.load_weights(batch)
     _check_and_postprocess(model, model_config, writes, uri, device)
     return model
 
@@ -178,7 +178,9 @@ def _check_and_postprocess(model: torch.nn.Module, model_config: Any, writes: Wr
     parameters = dict(model.named_parameters())
     if model_config.quantization is None:
         unfilled = set(writes.unfilled(parameters))
-        check_filled(parameters, set(parameters) - unfilled, uri)
+    else:  # quantization methods may fill their parameters in ways of their own; one still on meta was never given memory
+        unfilled = {name for name, parameter in parameters.items() if parameter.device.type == "meta"}
+    check_filled(parameters, set(parameters) - unfilled, uri)
     DefaultModelLoader.postprocess_weights(model, device)
 
 

@@ -17,7 +17,6 @@ otherwise, naming them.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -28,12 +27,13 @@ import torch
 import weightstream
 from weightstream.engines.common import (
     check_filled,
-    checkpoint_options,
+    checkpoint_reading,
     device_of,
     engine_formats,
     import_engine,
     load_sharded_state_into,
     loader_options,
+    weight_batches,
 )
 from weightstream.errors import SaveError, WeightsMismatchError
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
@@ -98,22 +98,16 @@ def _loader_class(base: type, load_format: str, weightstream_format: str) -> typ
 def _load_checkpoint(model: torch.nn.Module, model_config: Any, uri: str, weightstream_format: str, options: dict[str, Any]) -> None:
     """Through the model's own ``load_weights`` (its weight loaders shard and fuse), then the completeness check."""
     device = device_of(model)
-    options = checkpoint_options(device, uri, weightstream_format, options)
+    weightstream_format, options = checkpoint_reading(device, uri, weightstream_format, options)
     if weightstream_format == "distributed":
         from vllm.distributed import get_world_group
 
         group = get_world_group()
         options = {**options, "process_group": group.cpu_group if device.type == "cpu" else group.device_group}
-    if weightstream_format == "layered":
-        # One load_weights call per layer: vLLM's nested weight iterators keep the last tensors they saw
-        # referenced until they resume, which would pin the layered loader's reused buffers.
-        filled = set()
-        with contextlib.closing(weightstream.iter_layers(uri, device=str(device), **options)) as layers:
-            for _, tensors in layers:
-                filled |= _filled_by(model, tensors.items(), uri)
-    else:
-        with contextlib.closing(weightstream.iter_weights(uri, format=weightstream_format, device=str(device), **options)) as weights:
-            filled = _filled_by(model, weights, uri)  # closed: an error in the model's weight loaders stops the load's readers at once
+    filled: set[str] = set()
+    with weight_batches(uri, weightstream_format, device, options) as batches:
+        for batch in batches:
+            filled |= _filled_by(model, batch, uri)
     if model_config.quantization is None:
         check_filled([name for name, _ in model.named_parameters()], filled, uri)
 
