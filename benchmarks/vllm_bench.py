@@ -26,9 +26,11 @@ from engine_bench import interleaved_rounds, model_directory, summarise
 
 from tests.engine_envs import vllm_python
 
-METHODS = {"auto": ("auto", {}), "weightstream": ("weightstream", {}), "weightstream-copy": ("weightstream", {"zero_copy": False})}
+METHODS = {"auto": ("auto", {}), "weightstream": ("weightstream", {}), "weightstream-copy": ("weightstream", {"zero_copy": False}),
+           "weightstream-layered": ("weightstream-layered", {})}
 """``weightstream``: the adapter's default on a CPU engine (local files mapped, ``zero_copy``);
-``weightstream-copy``: read into weightstream's own memory first, then copied by the engine."""
+``weightstream-copy``: read into weightstream's own memory first, then copied by the engine;
+``weightstream-layered``: read layer by layer into reused buffers, the next layer read while the engine copies one."""
 RUN = r"""
 import json, sys
 from vllm import LLM
