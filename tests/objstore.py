@@ -61,12 +61,16 @@ def _weed() -> str:
 @contextlib.contextmanager
 def seaweedfs(directory: Path) -> Iterator[tuple[str, str]]:
     """An S3 endpoint with bucket ``bench``; yields its URL and the URL under which its filer serves
-    the bucket over plain HTTP (ranges, ETags, ``If-Match``). Only one can run per machine (fixed side ports)."""
+    the bucket over plain HTTP (ranges, ETags, ``If-Match``). Every port is chosen free (its side services'
+    defaults are fixed: two at once, as pytest-xdist's workers start them, would collide)."""
     port, filer_port = free_port(), free_port()
+    side_ports = [f"-{name}={free_port()}" for name in ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port.grpc",
+                                                        "s3.port.grpc", "admin.port", "admin.port.grpc")]
     log = directory / "weed.log"
     command = [
         _weed(), f"-logdir={directory}", "mini", f"-dir={directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
         "-webdav=false", "-admin.ui=false", f"-s3.port={port}", f"-filer.port={filer_port}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={BUCKET}",
+        *side_ports,
     ]
     sockets_before = set(Path("/tmp").glob("seaweedfs-*.sock"))
     with open(log, "wb") as output:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import json
-import logging
 import os
 import sys
 import types
-from pathlib import Path
 from typing import Any
+
+from tests.engine_run import adapters_said, make_cold
 
 
 class _EmptyModule(types.ModuleType):
@@ -66,17 +66,6 @@ def start_sglang(model: str, port: int) -> None:
     parallel_state.initialize_model_parallel(backend="gloo")
 
 
-class Said(logging.Handler):
-    """What weightstream's engine adapters log, kept."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def parse_cli(arguments: list[str]) -> dict:
     """What SGLang's CLI makes of ``arguments``, and the loader its ``get_model_loader`` returns for them."""
     from sglang.srt.configs.load_config import LoadConfig
@@ -99,11 +88,9 @@ def load(case: dict):
     from sglang.srt.model_loader.loader import get_model_loader
 
     from weightstream.engines.sglang import loader_class
-    from weightstream.sources.pagecache import drop
 
     if case.get("cold"):
-        for path in Path(case["model"]).glob("*.safetensors"):
-            drop(str(path))
+        make_cold(case["model"])
     load_format = case["load_format"]
     if load_format.startswith("class:"):
         load_format = loader_class(load_format.removeprefix("class:"))
@@ -152,14 +139,10 @@ def main() -> None:
     for name, (directory, writer) in request.get("save", {}).items():
         results[name] = _outcome(lambda directory=directory, writer=writer: save_state(request["model"], directory, writer))
     reference = None
-    said = Said()
-    adapters = logging.getLogger("weightstream.engines")
-    adapters.setLevel(logging.INFO)
-    adapters.addHandler(said)
     for name, case in request["cases"].items():
-        said.messages.clear()
         try:
-            loader, tensors = load(case)
+            with adapters_said() as said:
+                loader, tensors = load(case)
         except Exception as error:  # noqa: BLE001 - reported to the test, which asserts the type and message
             results[name] = {"error": [type(error).__name__, str(error)]}
             continue
@@ -170,7 +153,7 @@ def main() -> None:
             "names": sorted(tensors),
             "differ": sorted(key for key in reference if key not in tensors or not torch.equal(reference[key], tensors[key])),
             "extra": sorted(set(tensors) - set(reference)),
-            "said": list(said.messages),
+            "said": said,
         }
     print(json.dumps(results))
 

@@ -12,38 +12,18 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import sys
-from pathlib import Path
+
+from tests.engine_run import adapters_said, make_cold
 
 PROMPTS = [[1, 17, 42, 300], [5, 6, 7], [511, 2, 99, 100, 250, 8]]
 
 
-class Said(logging.Handler):
-    """What weightstream's engine adapters log, kept."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def run(case: dict) -> dict:
-    from weightstream.sources.pagecache import drop
-
     if case.get("cold"):
-        for path in Path(case["model"]).glob("*.safetensors"):
-            drop(str(path))
-    said = Said()
-    adapters = logging.getLogger("weightstream.engines")
-    adapters.setLevel(logging.INFO)
-    adapters.addHandler(said)
-    try:
-        return generate(case) | {"said": said.messages}
-    finally:
-        adapters.removeHandler(said)
+        make_cold(case["model"])
+    with adapters_said() as said:
+        return generate(case) | {"said": said}
 
 
 def generate(case: dict) -> dict:
