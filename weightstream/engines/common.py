@@ -16,11 +16,13 @@ import torch
 import weightstream
 from weightstream.errors import EngineUnavailableError, InvalidOptionError, WeightsMismatchError
 from weightstream.formats.checkpoint import find_files
-from weightstream.formats.sharded_state import Rank
+from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
 from weightstream.options import LoadOptions
 from weightstream.registry import available_loaders
 from weightstream.sources.local import LocalStore
 from weightstream.sources.pagecache import resident_fraction
+
+logger = logging.getLogger(__name__)
 
 
 def engine_formats() -> dict[str, str]:
@@ -35,8 +37,6 @@ def engine_formats() -> dict[str, str]:
     """
     return {"weightstream": "auto", **{f"weightstream-{name}": name for name in available_loaders()}}
 
-
-logger = logging.getLogger(__name__)
 
 ENGINE_OWNED = frozenset({"device", "format", "process_group", "rank", "world_size"})
 """Options the engine decides (where its parameters are, its ranks); refused in the extra config."""
@@ -115,8 +115,8 @@ def checkpoint_reading(device: torch.device, uri: str, weightstream_format: str,
     if device.type != "cpu" or "zero_copy" in options or weightstream_format not in ("auto", "safetensors") or weightstream.resolve_format(uri) != "safetensors":
         return weightstream_format, options
     if weightstream_format == "auto":
-        files = find_files(LocalStore(), uri).files
-        resident = sum(resident_fraction(path) * os.path.getsize(path) for path in files) / max(1, sum(os.path.getsize(path) for path in files))
+        sizes = {path: os.path.getsize(path) for path in find_files(LocalStore(), uri).files}
+        resident = sum(resident_fraction(path) * size for path, size in sizes.items()) / max(1, sum(sizes.values()))
         if resident < RESIDENT_FOR_MAPPING:
             logger.info("%s: %.0f%% in the page cache: reading it layer by layer while the engine copies", uri, 100 * resident)
             return "layered", options
@@ -143,6 +143,36 @@ def weight_batches(uri: str, weightstream_format: str, device: torch.device, opt
         weights = weightstream.iter_weights(uri, format=weightstream_format, device=str(device), **options)
         with contextlib.closing(weights):
             yield iter((weights,))
+
+
+def with_world_group(options: dict[str, Any], parallel_state: ModuleType, device: torch.device) -> dict[str, Any]:
+    """``options`` with the engine's world group as ``process_group`` (its CPU group for CPU tensors, its
+    device group for GPU ones), from ``parallel_state``: vLLM's ``vllm.distributed`` or SGLang's
+    ``sglang.srt.distributed.parallel_state`` (SGLang's derives from vLLM's: the same names).
+
+    Example:
+        >>> from vllm import distributed  # doctest: +SKIP
+        >>> with_world_group({}, distributed, torch.device("cpu"))  # doctest: +SKIP
+        {'process_group': <torch.distributed.distributed_c10d.ProcessGroup ...>}
+    """
+    group = parallel_state.get_world_group()
+    return {**options, "process_group": group.cpu_group if device.type == "cpu" else group.device_group}
+
+
+def sharded_rank(parallel_state: ModuleType) -> tuple[Rank, Rank, str]:
+    """This worker's rank, world size and file names as the engines' ``sharded_state`` has them, from
+    ``parallel_state`` (as for :func:`with_world_group`): ``tp_rank``, or ``(pp_rank, tp_rank)`` and the
+    pipeline-parallel names when there is more than one stage.
+
+    Example:
+        >>> sharded_rank(distributed)  # doctest: +SKIP
+        (0, 2, 'model-rank-{rank}-part-{part}.safetensors')
+    """
+    pp_group = parallel_state.get_pp_group()
+    tp_rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    if pp_group.world_size == 1:
+        return tp_rank, tp_size, DEFAULT_PATTERN
+    return (pp_group.rank_in_group, tp_rank), (pp_group.world_size, tp_size), PP_PATTERN
 
 
 def load_sharded_state_into(state: dict[str, torch.Tensor], uri: str, *, rank: Rank, world_size: Rank, pattern: str, options: dict[str, Any]) -> None:

@@ -40,12 +40,13 @@ from weightstream.engines.common import (
     import_engine,
     load_sharded_state_into,
     loader_options,
+    sharded_rank,
     weight_batches,
+    with_world_group,
 )
 from weightstream.engines.materialise import materialise, parameters_on_meta
 from weightstream.engines.writes import WriteRecorder
 from weightstream.errors import UnknownFormatError
-from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN
 
 INSTALL = "pip install sglang"
 VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
@@ -130,10 +131,7 @@ def _build(load_config: Any, model_config: Any, device: torch.device, *, on_meta
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     quantization = _get_quantization_config(model_config, load_config)
-    with set_default_torch_dtype(model_config.dtype), device:
-        if on_meta:
-            with parameters_on_meta():
-                return _initialize_model(model_config, load_config, quantization)
+    with set_default_torch_dtype(model_config.dtype), device, parameters_on_meta() if on_meta else contextlib.nullcontext():
         return _initialize_model(model_config, load_config, quantization)
 
 
@@ -145,10 +143,9 @@ def _load_checkpoint(load_config: Any, model_config: Any, device_config: Any, ur
     model = _build(load_config, model_config, device)
     weightstream_format, options = checkpoint_reading(device, uri, weightstream_format, options)
     if weightstream_format == "distributed":
-        from sglang.srt.distributed.parallel_state import get_world_group
+        from sglang.srt.distributed import parallel_state
 
-        group = get_world_group()
-        options = {**options, "process_group": group.cpu_group if device.type == "cpu" else group.device_group}
+        options = with_world_group(options, parallel_state, device)
     with set_default_torch_dtype(model_config.dtype), WriteRecorder() as writes, weight_batches(uri, weightstream_format, device, options) as batches:
         for batch in batches:
             model.load_weights(batch)
@@ -187,11 +184,7 @@ def _check_and_postprocess(model: torch.nn.Module, model_config: Any, writes: Wr
 def _load_sharded_state(load_config: Any, model_config: Any, device_config: Any, uri: str, options: dict[str, Any]) -> torch.nn.Module:
     """As SGLang's ``sharded_state``: the model built and its quantization methods' post-processing run
     first (the state was saved after it), then this rank's tensors copied into its state dict."""
-    from sglang.srt.distributed.parallel_state import (
-        get_pp_group,
-        get_tensor_model_parallel_rank,
-        get_tensor_model_parallel_world_size,
-    )
+    from sglang.srt.distributed import parallel_state
     from sglang.srt.model_loader.loader import ShardedStateLoader, post_load_weights
 
     device = _target_device(device_config)
@@ -200,11 +193,7 @@ def _load_sharded_state(load_config: Any, model_config: Any, device_config: Any,
         quant_method = getattr(module, "quant_method", None)
         if quant_method is not None:
             quant_method.process_weights_after_loading(module)
-    pp_size, tp_rank, tp_size = get_pp_group().world_size, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    if pp_size == 1:
-        rank, world_size, pattern = tp_rank, tp_size, DEFAULT_PATTERN
-    else:
-        rank, world_size, pattern = (get_pp_group().rank_in_group, tp_rank), (pp_size, tp_size), PP_PATTERN
+    rank, world_size, pattern = sharded_rank(parallel_state)
     state = ShardedStateLoader._filter_subtensors(model.state_dict())
     load_sharded_state_into(state, uri, rank=rank, world_size=world_size, pattern=pattern, options=options)
     post_load_weights(model)

