@@ -26,7 +26,7 @@ import tempfile
 from weightstream.bench.demo import demo_checkpoint
 from weightstream.bench.runner import prepare_cache
 from weightstream.cli import parse_size
-from weightstream.formats.checkpoint import find_files
+from weightstream.planning.checkpoint import find_files
 from weightstream.sources.local import LocalStore
 
 RANK = r"""

@@ -21,8 +21,8 @@ import sys
 from weightstream.bench.demo import demo_checkpoint
 from weightstream.bench.runner import prepare_cache, run_worker
 from weightstream.cli import parse_size
-from weightstream.convert import convert_to_sharded_state
-from weightstream.formats.checkpoint import find_files
+from weightstream.planning.checkpoint import find_files
+from weightstream.save.convert import convert_to_sharded_state
 from weightstream.sources.local import LocalStore
 
 METHODS = ("weightstream", "weightstream-rank0", "weightstream-rank0-verify")

@@ -66,8 +66,8 @@ def staged(uri: str, options: dict, result: dict):
     """The load through a small staging ring with the CPU engine (random delays, checking slot
     reuse): the CUDA path's structure, minus the device and NCCL."""
     from tests.engines import DelayedCheckingEngine
-    from weightstream.distributed_reader import read_distributed
     from weightstream.memory.ring import CpuStaging
+    from weightstream.readers.distributed import read_distributed
     from weightstream.sources import store_for
 
     engines = []

@@ -9,7 +9,7 @@ import sys
 
 import weightstream
 from tests.streaming_envelope import peak_rss, start_peak
-from weightstream.layers import group_layers
+from weightstream.planning.layers import group_layers
 
 
 def main(uri: str, prefetch_layers: int) -> dict:

@@ -14,7 +14,7 @@ import torch
 import weightstream
 from tests.conftest import save_hf_sharded
 from weightstream.bench.demo import LlamaShape, llama_state_dict
-from weightstream.convert import LLAMA_RULES, convert_to_sharded_state, parse_rule, split_dimension
+from weightstream.save.convert import LLAMA_RULES, convert_to_sharded_state, parse_rule, split_dimension
 
 SHAPE = LlamaShape(hidden=256, intermediate=768, layers=2, vocab=1024)
 ROOT = Path(__file__).parent.parent

@@ -50,7 +50,7 @@ def test_gds_true_loads_bit_exact_or_raises_the_reason(tmp_path, tiny_state, no_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gds_auto_says_why_it_uses_the_ring(tmp_path, tiny_state, caplog, no_leaks):
     uri = save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=2)
-    with caplog.at_level(logging.INFO, logger="weightstream.reader"):
+    with caplog.at_level(logging.INFO, logger="weightstream.readers.parallel"):
         loaded = weightstream.load_weights(uri, device="cuda", gds="auto")
     assert_same(loaded, tiny_state, Destination("gds-auto", {}, "cuda"))
     reason = gds.unavailable_reason(need_nvidia_fs=True)

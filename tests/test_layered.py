@@ -22,9 +22,9 @@ from tests.conftest import assert_same, save_hf_sharded, truncating_after_first_
 from tests.engines import DelayedCheckingEngine
 from tests.test_objectstore import upload
 from weightstream.bench.demo import LlamaShape, llama_state_dict, write_sharded
-from weightstream.layered_reader import read_layers
-from weightstream.layers import group_layers
 from weightstream.memory.ring import CpuStaging
+from weightstream.planning.layers import group_layers
+from weightstream.readers.layered import read_layers
 from weightstream.sources import store_for
 
 MIB = 1 << 20

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weightstream.layers import compile_rule, group_layers
-from weightstream.plan import TensorSpec
+from weightstream.planning.layers import compile_rule, group_layers
+from weightstream.planning.plan import TensorSpec
 
 PROJECTIONS = ["self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm"]
 

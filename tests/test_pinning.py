@@ -14,7 +14,7 @@ import torch
 import weightstream
 from weightstream.memory import pinning
 from weightstream.memory.host import HostArena
-from weightstream.plan import TensorSpec
+from weightstream.planning.plan import TensorSpec
 
 
 def test_pages_are_unregistered_after_the_last_tensor_and_while_still_mapped(monkeypatch, no_leaks):

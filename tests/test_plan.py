@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightstream.plan import PAGE, TensorSpec, layout_file
+from weightstream.planning.plan import PAGE, TensorSpec, layout_file
 
 
 @st.composite

@@ -15,8 +15,8 @@ from tests.conftest import assert_same, save_hf_sharded, truncating_after_first_
 from tests.engines import DelayedCheckingEngine
 from weightstream.bench.demo import LlamaShape, llama_state_dict
 from weightstream.memory.ring import CpuStaging
+from weightstream.readers.staged import read_staged
 from weightstream.sources import store_for
-from weightstream.staged_reader import read_staged
 
 SMALL_RING = {"staging_slots": 2, "staging_slot_bytes": 8192, "chunk_bytes": 8192}
 

@@ -6,7 +6,6 @@ Example:
 """
 
 from weightstream.api import iter_layers, iter_weights, load_weights, plan_load, resolve_format
-from weightstream.distributed_reader import DistributedStats
 from weightstream.errors import (
     BenchmarkError,
     DeviceMemoryError,
@@ -37,8 +36,9 @@ from weightstream.errors import (
     WeightstreamError,
 )
 from weightstream.options import LoadOptions
+from weightstream.readers.distributed import DistributedStats
 from weightstream.registry import available_loaders, register_loader
-from weightstream.saver import save_sharded_state
+from weightstream.save.saver import save_sharded_state
 
 __version__ = "0.1.0"
 

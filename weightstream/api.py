@@ -12,7 +12,7 @@ import torch
 from weightstream.errors import OptionError
 from weightstream.loaders.base import Loader
 from weightstream.options import LoadOptions
-from weightstream.plan import LoadPlan
+from weightstream.planning.plan import LoadPlan
 from weightstream.registry import get_loader
 from weightstream.sources import REMOTE_SCHEMES
 
@@ -82,7 +82,7 @@ def iter_layers(uri: str | os.PathLike[str], **options: Any) -> Iterator[tuple[s
     """Yield ``(layer key, {name: tensor})`` layer by layer, in layer order, through reused buffers.
 
     Embeddings first, then ``model.layers.0``, ``model.layers.1``, ..., then the final norm and
-    the head (``layer_rule`` changes what a layer is; see ``weightstream.layers``). The next
+    the head (``layer_rule`` changes what a layer is; see ``weightstream.planning.layers``). The next
     ``prefetch_layers`` layers are read while you work on one. The memory held is
     ``prefetch_layers + 1`` buffers of the largest layer's size, reused layer after layer.
 

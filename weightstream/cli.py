@@ -125,8 +125,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from weightstream.convert import LLAMA_RULES, convert_to_sharded_state, parse_rule, split_dimension
     from weightstream.errors import InvalidOptionError
+    from weightstream.save.convert import LLAMA_RULES, convert_to_sharded_state, parse_rule, split_dimension
 
     if args.to != "sharded-state":
         raise InvalidOptionError(f"--to {args.to!r}: the one conversion is to sharded-state")

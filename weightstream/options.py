@@ -12,7 +12,7 @@ import torch
 
 from weightstream.errors import InvalidOptionError, OptionError
 from weightstream.formats.sharded_state import Rank
-from weightstream.layers import LayerRule, compile_rule
+from weightstream.planning.layers import LayerRule, compile_rule
 from weightstream.sources.retry import RetryPolicy
 
 TensorFilter = Union[Collection[str], Callable[[str], bool]]
@@ -151,7 +151,7 @@ class LoadOptions:
 
     layer_rule: LayerRule | None = None
     """The ``layered`` loader: which layer each tensor belongs to, a regular expression whose first group
-    captures the layer number or a callable name -> layer key (see ``weightstream.layers``). Default
+    captures the layer number or a callable name -> layer key (see ``weightstream.planning.layers``). Default
     ``None``: Llama/Qwen/Mistral naming (``model.layers.<n>.``)."""
 
     prefetch_layers: int = 1

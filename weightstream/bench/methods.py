@@ -43,8 +43,8 @@ def weightstream_ring_cpu(uri: str, files: list[str]) -> Iterator[tuple[str, tor
     """The staging ring with the CPU copy engine: what a CUDA load does, minus the device (a diagnostic)."""
     import weightstream
     from weightstream.memory.ring import CpuStaging
+    from weightstream.readers.staged import read_staged
     from weightstream.sources import store_for
-    from weightstream.staged_reader import read_staged
 
     _, plan, opts = weightstream.plan_load(uri)
     yield from read_staged(store_for(plan.uri), plan, opts, CpuStaging())

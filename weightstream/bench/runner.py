@@ -21,8 +21,8 @@ from weightstream.bench.methods import METHODS_BY_DEVICE, SHARDED_STATE_METHODS,
 from weightstream.bench.remote_methods import REMOTE_METHODS, remote_skip_reason
 from weightstream.bench.worker import REMOTE, file_sizes
 from weightstream.errors import BenchmarkError, DeviceUnavailableError, InvalidOptionError
-from weightstream.formats.checkpoint import find_files
 from weightstream.memory.devices import cuda_available
+from weightstream.planning.checkpoint import find_files
 from weightstream.sources import REMOTE_SCHEMES, pagecache, store_for
 
 CACHES = ("cold", "warm")

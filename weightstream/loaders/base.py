@@ -8,7 +8,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 
 from weightstream.options import LoadOptions
-from weightstream.plan import LoadPlan
+from weightstream.planning.plan import LoadPlan
 
 
 @runtime_checkable

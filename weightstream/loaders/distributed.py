@@ -8,13 +8,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightstream.distributed_reader import DistributedStats, read_distributed
 from weightstream.errors import InvalidOptionError
 from weightstream.loaders.safetensors import plan_checkpoint
 from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
-from weightstream.plan import LoadPlan
+from weightstream.planning.plan import LoadPlan
+from weightstream.readers.distributed import DistributedStats, read_distributed
 from weightstream.sources import Store
 
 

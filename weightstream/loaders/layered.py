@@ -10,13 +10,13 @@ from typing import ClassVar
 import torch
 
 from weightstream.errors import InvalidOptionError
-from weightstream.layered_reader import Tensors, read_layers
-from weightstream.layers import Layer, group_layers
 from weightstream.loaders.safetensors import plan_checkpoint
 from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
-from weightstream.plan import LoadPlan
+from weightstream.planning.layers import Layer, group_layers
+from weightstream.planning.plan import LoadPlan
+from weightstream.readers.layered import Tensors, read_layers
 from weightstream.sources import Store
 
 log = logging.getLogger(__name__)

@@ -9,12 +9,12 @@ from typing import ClassVar
 import torch
 
 from weightstream.errors import InvalidOptionError
-from weightstream.formats.checkpoint import CheckpointFiles, read_plan
 from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
-from weightstream.plan import LoadPlan
-from weightstream.reader import read_tensors
+from weightstream.planning.checkpoint import CheckpointFiles, read_plan
+from weightstream.planning.plan import LoadPlan
+from weightstream.readers.parallel import read_tensors
 from weightstream.sources import Store
 from weightstream.sources.local import LocalStore
 

@@ -11,7 +11,6 @@ from typing import ClassVar
 import torch
 
 from weightstream.errors import IncompleteSaveError, IntegrityError, InvalidOptionError, ManifestError, NotFound
-from weightstream.formats.checkpoint import CheckpointFiles, read_small_file
 from weightstream.formats.manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
@@ -34,8 +33,9 @@ from weightstream.loaders.safetensors import plan_checkpoint
 from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
-from weightstream.plan import LoadPlan
-from weightstream.reader import read_tensors
+from weightstream.planning.checkpoint import CheckpointFiles, read_small_file
+from weightstream.planning.plan import LoadPlan
+from weightstream.readers.parallel import read_tensors
 from weightstream.sources import Store
 
 

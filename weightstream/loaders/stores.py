@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable
 
 from weightstream.options import LoadOptions
-from weightstream.plan import LoadPlan
+from weightstream.planning.plan import LoadPlan
 from weightstream.sources import Store, store_for
 
 

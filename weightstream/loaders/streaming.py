@@ -13,9 +13,9 @@ from weightstream.loaders.safetensors import plan_checkpoint
 from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
-from weightstream.plan import LoadPlan
+from weightstream.planning.plan import LoadPlan
+from weightstream.readers.streaming import read_streaming, window_bytes
 from weightstream.sources import Store
-from weightstream.streaming_reader import read_streaming, window_bytes
 
 
 class StreamingLoader:
@@ -59,7 +59,7 @@ def _stream_and_close(store: Store, plan: LoadPlan, opts: LoadOptions, pinned: b
     with contextlib.closing(store):
         if torch.device(opts.device).type == "cuda":
             from weightstream.memory.cuda import CudaStaging
-            from weightstream.staged_reader import read_staged
+            from weightstream.readers.staged import read_staged
 
             yield from read_staged(store, plan, opts, CudaStaging(opts.device))
         else:

@@ -24,7 +24,7 @@ import torch
 
 from weightstream.errors import HostMemoryError, SourceError
 from weightstream.memory import pinning
-from weightstream.plan import TensorSpec
+from weightstream.planning.plan import TensorSpec
 from weightstream.sources.base import check_unchanged
 
 log = logging.getLogger(__name__)

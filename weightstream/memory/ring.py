@@ -21,7 +21,7 @@ import torch
 
 from weightstream.errors import WeightstreamError
 from weightstream.memory.host import HostArena
-from weightstream.plan import round_up_to_page
+from weightstream.planning.plan import round_up_to_page
 
 
 class RingClosedError(WeightstreamError, RuntimeError):

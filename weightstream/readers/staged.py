@@ -20,8 +20,8 @@ import torch
 
 from weightstream.memory.ring import CopyEngine, CopyHandle, StagingRing
 from weightstream.options import LoadOptions
-from weightstream.plan import PAGE, LoadPlan, ReadRequest, layout_file
-from weightstream.reading import buffer_tensor, open_checked, read_request, start_readers, tensors_as_read
+from weightstream.planning.plan import PAGE, LoadPlan, ReadRequest, layout_file
+from weightstream.readers.tasks import buffer_tensor, open_checked, read_request, start_readers, tensors_as_read
 from weightstream.sources.base import Source, Store
 
 

@@ -21,8 +21,15 @@ from weightstream.errors import DeviceUnavailableError
 from weightstream.memory.devices import check_destination
 from weightstream.memory.host import HostArena, MappedFile
 from weightstream.options import LoadOptions
-from weightstream.plan import FileLayout, LoadPlan, ReadRequest, layout_file
-from weightstream.reading import THREAD_NAME_PREFIX, open_checked, read_request, start_readers, tensors_as_read, wants_huge_pages
+from weightstream.planning.plan import FileLayout, LoadPlan, ReadRequest, layout_file
+from weightstream.readers.tasks import (
+    THREAD_NAME_PREFIX,
+    open_checked,
+    read_request,
+    start_readers,
+    tensors_as_read,
+    wants_huge_pages,
+)
 from weightstream.sources.base import Source, Store
 from weightstream.sources.local import LocalStore
 
@@ -77,14 +84,14 @@ def _cuda_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[t
         if reason is None and not isinstance(store, LocalStore):
             reason = f"{plan.uri} is not a local file"
         if reason is None:
-            from weightstream.gds_reader import read_gds
+            from weightstream.readers.gds import read_gds
 
             yield from read_gds(plan, opts, device)
             return
         if opts.gds is True:
             raise DeviceUnavailableError(f"gds=True: GPUDirect Storage is not available: {reason}")
         log.info("gds='auto': reading through the staging ring: %s", reason)
-    from weightstream.staged_reader import read_staged
+    from weightstream.readers.staged import read_staged
 
     yield from read_staged(store, plan, opts, device)
 

@@ -14,7 +14,7 @@ import torch
 
 from weightstream.memory.host import HostArena, view_as
 from weightstream.options import LoadOptions
-from weightstream.plan import PAGE, FileLayout, FileSpec, ReadRequest, round_up_to_page
+from weightstream.planning.plan import PAGE, FileLayout, FileSpec, ReadRequest, round_up_to_page
 from weightstream.sources.base import Source, Store, check_unchanged
 
 THREAD_NAME_PREFIX = "weightstream-read"

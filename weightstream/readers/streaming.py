@@ -24,8 +24,8 @@ import torch
 from weightstream.errors import InvalidOptionError
 from weightstream.memory.host import HostArena
 from weightstream.options import DEFAULT_INFLIGHT_BYTES, LoadOptions
-from weightstream.plan import PAGE, FileLayout, LoadPlan, TensorSpec, layout_file, round_up_to_page
-from weightstream.reading import Waiting, open_checked, read_into_arena, start_readers, wants_huge_pages
+from weightstream.planning.plan import PAGE, FileLayout, LoadPlan, TensorSpec, layout_file, round_up_to_page
+from weightstream.readers.tasks import Waiting, open_checked, read_into_arena, start_readers, wants_huge_pages
 from weightstream.sources.base import Store
 
 

@@ -21,8 +21,8 @@ from weightstream.errors import SourceError, TruncatedFileError
 from weightstream.memory import gds
 from weightstream.memory.cuda import CudaStaging
 from weightstream.options import LoadOptions
-from weightstream.plan import LoadPlan, ReadRequest, layout_file
-from weightstream.reading import THREAD_NAME_PREFIX, buffer_tensor, forget_failures, tensors_as_read
+from weightstream.planning.plan import LoadPlan, ReadRequest, layout_file
+from weightstream.readers.tasks import THREAD_NAME_PREFIX, buffer_tensor, forget_failures, tensors_as_read
 
 
 def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from weightstream.errors import FormatError, NotFound, ShardIndexError, TensorNotFound, UnsupportedInputError
 from weightstream.formats.index import INDEX_NAME, MAX_INDEX_BYTES, ShardIndex, parse_index
 from weightstream.formats.safetensors import Header, read_header
-from weightstream.plan import FileSpec, LoadPlan, TensorSpec
+from weightstream.planning.plan import FileSpec, LoadPlan, TensorSpec
 from weightstream.sources.base import Source, Store
 
 SAFETENSORS_SUFFIX = ".safetensors"

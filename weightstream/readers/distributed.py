@@ -33,10 +33,17 @@ from weightstream.errors import PeerError
 from weightstream.memory.host import HostArena
 from weightstream.memory.ring import CopyHandle
 from weightstream.options import LoadOptions
-from weightstream.plan import FileLayout, LoadPlan, ReadRequest, layout_file
-from weightstream.reading import Waiting, buffer_tensor, open_checked, read_into_arena, start_readers, wants_huge_pages
+from weightstream.planning.plan import FileLayout, LoadPlan, ReadRequest, layout_file
+from weightstream.readers.staged import Staging, stage_request, staging_ring
+from weightstream.readers.tasks import (
+    Waiting,
+    buffer_tensor,
+    open_checked,
+    read_into_arena,
+    start_readers,
+    wants_huge_pages,
+)
 from weightstream.sources.base import Source, Store
-from weightstream.staged_reader import Staging, stage_request, staging_ring
 
 SHARE_CHUNK_BYTES = 64 << 20
 """Default chunk (read request and broadcast) size: each chunk costs two collectives, whose latency
@@ -82,7 +89,7 @@ def assign_chunks(layouts: list[FileLayout], world_size: int) -> list[Chunk]:
 
     Example:
         >>> import torch
-        >>> from weightstream.plan import TensorSpec
+        >>> from weightstream.planning.plan import TensorSpec
         >>> layout = layout_file([TensorSpec("w", torch.uint8, (5 * 4096,), "f", 0, 5 * 4096)], 4096)
         >>> [chunk.owner for chunk in assign_chunks([layout], 2)]
         [0, 1, 0, 1, 0]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Union
 
 from weightstream.errors import InvalidOptionError, OptionError
-from weightstream.plan import TensorSpec
+from weightstream.planning.plan import TensorSpec
 
 LayerRule = Union[str, "re.Pattern[str]", Callable[[str], str]]
 """A regular expression (its first group captures the layer number), or a callable name -> layer key."""

@@ -25,7 +25,7 @@ import torch
 
 from weightstream.api import load_weights
 from weightstream.errors import InvalidOptionError
-from weightstream.saver import DEFAULT_MAX_FILE_BYTES, save_sharded_state
+from weightstream.save.saver import DEFAULT_MAX_FILE_BYTES, save_sharded_state
 from weightstream.sources import REMOTE_SCHEMES
 
 SplitRule = tuple[str, "int | None"]

@@ -35,14 +35,20 @@ import torch
 import torch.utils.dlpack
 
 from weightstream.errors import LayerInUseError, OptionError
-from weightstream.layers import Layer
 from weightstream.memory.host import HostArena, view_as
 from weightstream.memory.ring import StagingRing
 from weightstream.options import LoadOptions
-from weightstream.plan import FileLayout, LoadPlan, TensorSpec, layout_file
-from weightstream.reading import THREAD_NAME_PREFIX, open_checked, read_into_arena, start_readers, wants_huge_pages
+from weightstream.planning.layers import Layer
+from weightstream.planning.plan import FileLayout, LoadPlan, TensorSpec, layout_file
+from weightstream.readers.staged import Staging, stage_request, staging_ring
+from weightstream.readers.tasks import (
+    THREAD_NAME_PREFIX,
+    open_checked,
+    read_into_arena,
+    start_readers,
+    wants_huge_pages,
+)
 from weightstream.sources.base import Source, Store
-from weightstream.staged_reader import Staging, stage_request, staging_ring
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""What to read: a checkpoint's files and headers, tensor specs, layer groups and coalesced read requests."""

@@ -1,0 +1,1 @@
+"""Writing checkpoints: the atomic sharded-state saver and the converter."""
