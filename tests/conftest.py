@@ -190,8 +190,11 @@ def http_base(seaweed):
 @pytest.fixture(scope="session")
 def gcs_endpoint(tmp_path_factory):
     """A GCS emulator (fake-gcs-server) for the session, reached through STORAGE_EMULATOR_HOST."""
+    import fsspec.asyn
+
     from tests.objstore import fake_gcs
 
+    fsspec.asyn.get_loop()  # fsspec's one IO thread lives as long as the process: started here, not counted as a load's leak
     with fake_gcs(tmp_path_factory.mktemp("gcs")) as endpoint, _environment(
         {"STORAGE_EMULATOR_HOST": endpoint, "FSSPEC_GCS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
     ):

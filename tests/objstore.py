@@ -86,16 +86,44 @@ def seaweedfs(directory: Path) -> Iterator[tuple[str, str]]:
             socket_file.unlink(missing_ok=True)  # weed puts its unix sockets in /tmp whatever TMPDIR says
 
 
-def _wait_for_bucket(endpoint: str, process: subprocess.Popen, log: Path) -> None:
-    import s3fs
+def s3_client(endpoint: str | None = None):
+    """A botocore S3 client for the test server (``endpoint``, or the one ``AWS_ENDPOINT_URL`` names)."""
+    import botocore.session
 
-    fs = s3fs.S3FileSystem(key=KEYS["AWS_ACCESS_KEY_ID"], secret=KEYS["AWS_SECRET_ACCESS_KEY"], endpoint_url=endpoint, skip_instance_cache=True)
+    session = botocore.session.Session()
+    session.set_credentials(KEYS["AWS_ACCESS_KEY_ID"], KEYS["AWS_SECRET_ACCESS_KEY"])
+    return session.create_client("s3", region_name=KEYS["AWS_DEFAULT_REGION"], endpoint_url=endpoint or os.environ["AWS_ENDPOINT_URL"])
+
+
+def put(scheme: str, path: Path, key: str) -> None:
+    """Upload the local file ``path`` as ``key`` in bucket ``bench`` of the session's S3 (``s3``) or GCS (``gs``) server."""
+    if scheme == "s3":
+        client = s3_client()
+        try:
+            with open(path, "rb") as body:
+                client.put_object(Bucket=BUCKET, Key=key, Body=body)
+        finally:
+            client.close()
+        return
+    from weightstream.sources.gcs import GcsStore
+
+    with contextlib.closing(GcsStore()) as store:
+        store.fs.put_file(str(path), f"{BUCKET}/{key}")
+
+
+def _wait_for_bucket(endpoint: str, process: subprocess.Popen, log: Path) -> None:
+    import botocore.exceptions
+
+    client = s3_client(endpoint)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            fs.ls(BUCKET, refresh=True)
-            return
-        time.sleep(0.2)
+    try:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
+                client.list_objects_v2(Bucket=BUCKET, MaxKeys=1)
+                return
+            time.sleep(0.2)
+    finally:
+        client.close()
     raise RuntimeError(f"bucket {BUCKET} did not appear: {log.read_text()[-2000:]}")
 
 

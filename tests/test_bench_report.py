@@ -57,3 +57,54 @@ def test_unknown_device_is_refused():
 
     with pytest.raises(InvalidOptionError, match=r"unknown benchmark device 'tpu'; devices: cpu, cuda"):
         check_device("tpu")
+
+
+def test_a_failing_peer_is_a_failed_row_and_the_run_goes_on(tmp_path, monkeypatch, tiny_state):
+    """run_worker stands in for the worker processes here (their failure is the piece under test)."""
+    from tests.conftest import save_hf_sharded
+    from weightstream.bench import runner
+    from weightstream.errors import BenchmarkError
+
+    checkpoint = save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=1)
+    calls = []
+
+    def worker(device, method, uri, files):
+        calls.append(method)
+        if method == "safetensors.load_file":
+            raise BenchmarkError("benchmark of safetensors.load_file failed (exit 1): PermissionError: access denied")
+        return run(0.5)
+
+    monkeypatch.setattr(runner, "run_worker", worker)
+    report = runner.run_bench(str(checkpoint), methods=["weightstream", "safetensors.load_file"], caches=["warm"], rounds=3)
+    assert calls.count("safetensors.load_file") == 1 and calls.count("weightstream") == 3  # a failed peer is not run again
+    summary = {row["method"]: row for row in report.to_json()["results"]}
+    assert summary["safetensors.load_file"] == {"method": "safetensors.load_file", "cache": "warm",
+                                                "failed": "benchmark of safetensors.load_file failed (exit 1): PermissionError: access denied"}
+    assert summary["weightstream"]["runs"] == 3
+    assert report.to_json()["failed"] == {"safetensors.load_file (warm)": summary["safetensors.load_file"]["failed"]}
+    assert "warm  safetensors.load_file    FAILED: benchmark of safetensors.load_file failed (exit 1): PermissionError" in format_table(report)
+    assert report.weightstream_failed() == []
+    plot(report.to_json(), str(tmp_path / "bench.png"))
+
+
+def test_the_cli_exits_non_zero_only_when_weightstream_failed(tmp_path, monkeypatch, tiny_state, capsys):
+    from tests.conftest import save_hf_sharded
+    from weightstream import cli
+    from weightstream.bench import runner
+    from weightstream.errors import BenchmarkError
+
+    checkpoint = save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=1)
+    failing = set()
+
+    def worker(device, method, uri, files):
+        if method in failing:
+            raise BenchmarkError(f"benchmark of {method} failed (exit 1): boom")
+        return run(0.5)
+
+    monkeypatch.setattr(runner, "run_worker", worker)
+    arguments = ["bench", str(checkpoint), "--methods", "weightstream,safetensors.load_file", "--cache", "warm", "--rounds", "1"]
+    failing.add("safetensors.load_file")
+    assert cli.main(arguments) == 0
+    failing.add("weightstream")
+    assert cli.main([*arguments, "--json"]) == 1
+    assert "weightstream: error: weightstream (warm) failed: benchmark of weightstream failed (exit 1): boom" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import save_hf_sharded
+from tests.conftest import raw_file, save_hf_sharded
 from weightstream.cli import parse_size
 
 
@@ -157,3 +157,22 @@ def test_load_and_bench_on_the_gpu(checkpoint: Path, tiny_state, tmp_path: Path)
 @pytest.mark.parametrize("text, expected", [("1GiB", 2**30), ("512MiB", 2**29), ("4G", 4 * 10**9), ("100", 100), ("1.5k", 1500)])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
+
+
+def test_inspect_of_a_lone_surrogate_name_is_a_typed_error(tmp_path: Path):
+    path = raw_file(tmp_path / "bad.safetensors", b'{"\\ud800": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}', b"ab")
+    result = cli("inspect", str(path))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert re.search(r"weightstream: error: .*bad.safetensors: header holds a string with a lone surrogate \(U\+D800\)", result.stderr)
+
+
+def test_inspect_escapes_terminal_control_characters(tmp_path: Path):
+    hostile = "model.\x1b[2J\x1b]0;owned\x07layers.0.w\u202e"
+    path = raw_file(tmp_path / "ansi.safetensors", {"__metadata__": {"note": "\x1b[31mred"}, hostile: {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}, b"ab")
+    text = cli("inspect", str(path))
+    assert text.returncode == 0, text.stderr
+    assert "\x1b" not in text.stdout and "\x07" not in text.stdout and "\u202e" not in text.stdout
+    assert "model.\\x1b[2J\\x1b]0;owned\\x07layers.0.w\\u202e" in text.stdout and "\\x1b[31mred" in text.stdout
+    exact = cli("inspect", str(path), "--json")
+    assert json.loads(exact.stdout)["tensors"][0]["name"] == hostile  # JSON output stays exact

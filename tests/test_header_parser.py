@@ -105,7 +105,7 @@ def test_bad_shape(shape):
 
 
 def test_shape_product_overflows():
-    with pytest.raises(HeaderError, match=r"shape \[4294967296, 4294967296\] has 18446744073709551616 elements, more than fit in 64 bits"):
+    with pytest.raises(HeaderError, match=r"shape \[4294967296, 4294967296\] has more than 2\*\*63 - 1 elements, more than fit in 64 bits"):
         parse({"w": entry(shape=(2**32, 2**32), offsets=(0, 8))}, 8)
 
 
@@ -218,3 +218,40 @@ def test_arbitrary_bytes_raise_only_typed_errors(raw, data_bytes):
     except (HeaderError, TruncatedFileError):
         return
     assert sum(e.end - e.begin for e in header.entries) == data_bytes
+
+
+@pytest.mark.parametrize("where", ["name", "metadata key", "metadata value"])
+def test_lone_surrogates_are_not_unicode_text(where):
+    """JSON lets ``\\ud800`` stand alone; no UTF-8 can hold it, and safetensors' own parser refuses it."""
+    names = {"name": ("\\ud800x", "k", "v"), "metadata key": ("w", "\\udfff", "v"), "metadata value": ("w", "k", "a\\ud800")}[where]
+    name, key, value = names
+    raw = ('{"__metadata__": {"' + key + '": "' + value + '"}, "' + name + '": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}').encode()
+    with pytest.raises(HeaderError, match=r"f.safetensors: header holds a string with a lone surrogate \(U\+D[8-9A-F][0-9A-F]{2}\) at character \d+: not valid Unicode text"):
+        parse(None, 2, raw=raw)
+
+
+def test_surrogate_pairs_are_text():
+    raw = b'{"\\ud83d\\ude00": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}'
+    assert parse(None, 2, raw=raw).entries[0].name == "\U0001f600"
+
+
+@given(st.text(max_size=20), st.integers(0xD800, 0xDFFF), st.text(max_size=20))
+@settings(max_examples=200, deadline=None)
+def test_a_lone_surrogate_anywhere_in_a_name_is_refused(before, surrogate, after):
+    name = json.dumps(before)[1:-1] + f"\\u{surrogate:04x}" + json.dumps(after)[1:-1]
+    raw = ('{"' + name + '": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}').encode()
+    try:
+        parse(None, 2, raw=raw)
+    except HeaderError as error:
+        assert "lone surrogate" in str(error)
+    else:
+        # A high surrogate escape followed by a low one pairs up into one code point: text again.
+        decoded = json.loads('"' + name + '"')
+        decoded.encode("utf-8")
+
+
+def test_a_shape_of_many_huge_dimensions_is_refused_with_a_short_message():
+    shape = [2**62] * 10_000
+    with pytest.raises(HeaderError, match=r"shape \[(4611686018427387904, ){7}4611686018427387904, \.\.\. \(10000 dimensions\)\] has more than 2\*\*63 - 1 elements") as caught:
+        parse({"w": entry(shape=shape, offsets=(0, 8))}, 8)
+    assert len(str(caught.value)) < 400

@@ -69,5 +69,6 @@ def test_store_pins_to_the_etag(http_base, tmp_path: Path, no_leaks):
     url, _ = served(http_base, tmp_path, "http-etag", shards=1)
     with contextlib.closing(HttpStore()) as store:
         source = store.open(url + "/model-00001-of-00001.safetensors")
-        location, headers = store.range_target(source)
-    assert location == source.uri and headers == {"If-Match": source.version} and source.version.startswith('"')
+        target = store.range_target(source)
+    assert target.url == source.uri and target.headers == {"If-Match": source.version} and source.version.startswith('"')
+    assert (target.version_header, target.version) == ("ETag", source.version)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from weightstream.errors import InvalidOptionError
 from weightstream.planning.layers import compile_rule, group_layers
 from weightstream.planning.plan import TensorSpec
 
@@ -73,3 +75,17 @@ def test_a_callable_rule_is_applied_to_every_name(case, width):
 def test_any_names_group_without_error_and_lose_nothing(names):
     grouped = group_layers(specs(names))
     assert sorted(spec.name for layer in grouped for spec in layer.tensors) == sorted(names)
+
+
+def test_layer_numbers_of_thousands_of_digits_sort_like_numbers():
+    huge = "9" * 5000
+    specs = [TensorSpec(f"model.layers.{number}.w", torch.uint8, (1,), "f", position, 1)
+             for position, number in enumerate([huge, "10", "2", "0" + huge])]
+    order = [layer.key for layer in group_layers(specs)]
+    assert order == ["model.layers.2", "model.layers.10", f"model.layers.{huge}", f"model.layers.0{huge}"]
+
+
+def test_a_rule_capturing_non_ascii_digits_is_refused():
+    specs = [TensorSpec("h.²³.w", torch.uint8, (1,), "f", 0, 1)]
+    with pytest.raises(InvalidOptionError, match=r"captured '²³' from tensor 'h.²³.w': not a layer number"):
+        group_layers(specs, compile_rule(r"^h\.([^.]+)\."))

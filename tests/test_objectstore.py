@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from pathlib import Path
 
@@ -11,17 +10,16 @@ import pytest
 import weightstream
 from tests.conformance.test_round_trip import every_dtype
 from tests.conftest import assert_same, save_hf_sharded
+from tests.objstore import put
 from weightstream.bench.demo import LlamaShape, llama_state_dict
-from weightstream.sources.objectstore import ObjectStore
 
 pytestmark = pytest.mark.slow
 
 
 def upload(scheme: str, local: Path, key: str) -> str:
     """Put every file of ``local`` under ``bench/key/``; returns the prefix's URI."""
-    with contextlib.closing(ObjectStore(scheme)) as store:
-        for path in sorted(local.iterdir()):
-            store.fs.put_file(str(path), f"bench/{key}/{path.name}")
+    for path in sorted(local.iterdir()):
+        put(scheme, path, f"{key}/{path.name}")
     return f"{scheme}://bench/{key}"
 
 

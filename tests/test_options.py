@@ -92,3 +92,14 @@ def test_pin_memory_auto_without_cuda_loads_pageable(tmp_path, no_leaks):
     save_file({"w": torch.ones(3)}, str(tmp_path / "x.safetensors"))
     loaded = weightstream.load_weights(tmp_path / "x.safetensors", pin_memory="auto")
     assert not loaded["w"].is_pinned() and loaded["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("device", ["meta", "xpu", "mps", "hpu", "xla"])
+def test_devices_weightstream_cannot_land_on_are_refused_not_loaded_to_the_cpu(device, tmp_path):
+    with pytest.raises(InvalidOptionError, match=rf"device '{device}': weightstream lands tensors on cpu or cuda devices only; nothing falls back to the CPU"):
+        weightstream.load_weights(str(tmp_path), device=device)
+
+
+def test_there_is_one_cpu(tmp_path):
+    with pytest.raises(InvalidOptionError, match=r"device 'cpu:1': there is one CPU device, 'cpu'"):
+        weightstream.load_weights(str(tmp_path), device="cpu:1")

@@ -14,6 +14,7 @@ import json
 import re
 import sys
 import time
+import unicodedata
 from collections.abc import Sequence
 
 from weightstream.api import plan_load
@@ -24,6 +25,8 @@ from weightstream.errors import WeightstreamError
 from weightstream.formats.safetensors import DTYPE_NAMES
 from weightstream.progress import ProgressBar
 
+UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"})
+"""Unicode categories the human output of ``inspect`` escapes (JSON output stays exact)."""
 SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
               "g": 10**9, "gb": 10**9, "gib": 2**30}
 
@@ -51,6 +54,22 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
 
 
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control and format characters (ANSI escapes, bidirectional
+    overrides, line separators) written as escapes, so a hostile header cannot drive the terminal.
+
+    Example:
+        >>> printable("model.\\x1b[2Jlayers")
+        'model.\\\\x1b[2Jlayers'
+    """
+    return "".join(character if unicodedata.category(character) not in UNPRINTABLE else _escape(character) for character in text)
+
+
+def _escape(character: str) -> str:
+    code = ord(character)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def _inspect(args: argparse.Namespace) -> int:
     _, plan, _ = plan_load(args.uri, args.format)
     if args.json:
@@ -64,11 +83,13 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     for spec in plan.files:
         count = sum(1 for t in plan.tensors if t.file == spec.path)
-        print(f"{spec.path}: {spec.size} bytes, {count} tensors, metadata {dict(spec.metadata)}")
-    width = max((len(t.name) for t in plan.tensors), default=4)
+        metadata = ", ".join(f"{printable(key)}: {printable(value)}" for key, value in spec.metadata.items())
+        print(f"{printable(spec.path)}: {spec.size} bytes, {count} tensors, metadata {{{metadata}}}")
+    names = [printable(t.name) for t in plan.tensors]
+    width = max((len(name) for name in names), default=4)
     print(f"{'name':{width}s}  {'dtype':11s} {'shape':22s} {'bytes':>12s}")
-    for t in plan.tensors:
-        print(f"{t.name:{width}s}  {DTYPE_NAMES[t.dtype]:11s} {str(list(t.shape)):22s} {t.nbytes:12d}")
+    for name, t in zip(names, plan.tensors, strict=True):
+        print(f"{name:{width}s}  {DTYPE_NAMES[t.dtype]:11s} {str(list(t.shape)):22s} {t.nbytes:12d}")
     print(f"{len(plan.tensors)} tensors, {plan.total_bytes} bytes ({plan.total_bytes / 2**30:.3f} GiB)")
     return 0
 
@@ -121,7 +142,10 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot(report.to_json(), args.plot)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_table(report))
-    return 0
+    ours = report.weightstream_failed()
+    for row in ours:
+        print(f"weightstream: error: {row.method} ({row.cache}) failed: {row.failed}", file=sys.stderr)
+    return 1 if ours else 0
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -34,6 +34,10 @@ class UnsupportedInputError(WeightstreamError, ValueError):
     """The input is of a kind weightstream refuses (pickle files, unknown URI schemes)."""
 
 
+class MissingDependencyError(UnsupportedInputError, ImportError):
+    """A library a source needs (s3's botocore, gs's gcsfs and fsspec) is missing or older than weightstream supports."""
+
+
 class FormatError(WeightstreamError, ValueError):
     """The bytes of a checkpoint do not follow their format."""
 

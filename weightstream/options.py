@@ -310,13 +310,24 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+"""Where tensors can land (``meta``, ``xpu``, ``mps``, ``hpu``, ... are refused, not silently loaded to the CPU)."""
+
+
 def _check_device(device: object) -> None:
     if not isinstance(device, str):
         raise OptionError(f"device must be a string such as 'cpu' or 'cuda:0', got {type(device).__name__}")
     try:
-        torch.device(device)
+        target = torch.device(device)
     except (RuntimeError, ValueError) as error:
         raise InvalidOptionError(f"device {device!r} is not a device torch knows: {error}") from None
+    if target.type not in SUPPORTED_DEVICE_TYPES:
+        raise InvalidOptionError(
+            f"device {device!r}: weightstream lands tensors on {' or '.join(SUPPORTED_DEVICE_TYPES)} devices only; "
+            f"nothing falls back to the CPU: load to 'cpu' and move the tensors yourself"
+        )
+    if target.type == "cpu" and target.index not in (None, 0):
+        raise InvalidOptionError(f"device {device!r}: there is one CPU device, 'cpu'")
 
 
 def _normalise_filter(value: object) -> TensorFilter:

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -28,10 +28,10 @@ PIECE = 8 << 20
 
 @dataclasses.dataclass(frozen=True)
 class RemoteMethod:
-    """A remote benchmark method: its generator, the module it needs, and the URI schemes it reads."""
+    """A remote benchmark method: its generator, the module it needs (or, by scheme, the modules), and the URI schemes it reads."""
 
     load: Method
-    module: str | None
+    module: str | Mapping[str, str] | None
     schemes: tuple[str, ...] = ("s3", "gs", "http", "https")
 
 
@@ -53,7 +53,8 @@ def runai_streamer(concurrency: int | None) -> Method:
 
 
 def fsspec_sequential(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Plain fsspec (s3fs, gcsfs): open each object and read it whole into fresh memory, 64 MiB blocks."""
+    """Plain fsspec (s3fs, gcsfs; not weightstream's extras, which read S3 through botocore): open each object
+    and read it whole into fresh memory, 64 MiB blocks."""
     import fsspec.core
 
     fs, _ = fsspec.core.url_to_fs(files[0])
@@ -186,7 +187,7 @@ REMOTE_METHODS: dict[str, RemoteMethod] = {
     "runai-model-streamer": RemoteMethod(runai_streamer(None), "runai_model_streamer", ("s3", "gs")),
     "runai-model-streamer-c16": RemoteMethod(runai_streamer(16), "runai_model_streamer", ("s3", "gs")),
     "runai-model-streamer-c32": RemoteMethod(runai_streamer(32), "runai_model_streamer", ("s3", "gs")),
-    "fsspec-sequential": RemoteMethod(fsspec_sequential, "fsspec"),
+    "fsspec-sequential": RemoteMethod(fsspec_sequential, {"s3": "s3fs", "gs": "gcsfs"}, ("s3", "gs")),
     "limit-boto3-get": RemoteMethod(limit_boto3_get, "boto3", ("s3",)),
     "limit-boto3-16-ranges": RemoteMethod(boto3_ranges(keep=False), "boto3", ("s3",)),
     "boto3-16-ranges-kept": RemoteMethod(boto3_ranges(keep=True), "boto3", ("s3",)),
@@ -204,7 +205,8 @@ def remote_skip_reason(method: str, uri: str) -> str | None:
     scheme = uri.split("://", 1)[0]
     if scheme not in entry.schemes:
         return f"does not read {scheme}:// URIs"
-    if entry.module is not None and importlib.util.find_spec(entry.module) is None:
-        return f"{entry.module} is not installed"
+    module = entry.module.get(scheme) if isinstance(entry.module, Mapping) else entry.module
+    if module is not None and importlib.util.find_spec(module) is None:
+        return f"{module} is not installed"
     return None
 

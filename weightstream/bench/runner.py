@@ -42,12 +42,16 @@ class Row:
     device: str = "cpu"
     runs: list[dict] = dataclasses.field(default_factory=list)
     skipped: str | None = None
+    failed: str | None = None
+    """Why a run of this method failed (its later rounds are not run); its runs before that are dropped."""
 
     @property
     def gbps(self) -> list[float]:
         return [run["bytes"] / run["seconds"] / 1e9 for run in self.runs]
 
     def summary(self) -> dict:
+        if self.failed:
+            return {"method": self.method, "cache": self.cache, "failed": self.failed}
         if self.skipped or not self.runs:
             return {"method": self.method, "cache": self.cache, "skipped": self.skipped or "no runs"}
         firsts = [run["first_tensor_seconds"] for run in self.runs if run["first_tensor_seconds"] is not None]
@@ -90,7 +94,12 @@ class BenchReport:
             "machine": self.machine,
             "results": [row.summary() for row in self.rows],
             "ratios": ratios(self),
+            "failed": {f"{row.method} ({row.cache})": row.failed for row in self.rows if row.failed},
         }
+
+    def weightstream_failed(self) -> list[Row]:
+        """The rows of weightstream's own methods that failed (a failing peer is reported, not fatal)."""
+        return [row for row in self.rows if row.failed and row.method.startswith("weightstream")]
 
 
 def run_bench(
@@ -129,11 +138,17 @@ def run_bench(
         for cache in caches:
             for method in methods:
                 row = rows[(method, cache)]
-                if row.skipped:
+                if row.skipped or row.failed:
                     continue
                 if not remote:
                     prepare_cache(files, cache)
-                row.runs.append(run_worker(worker_device, method, uri, files))
+                try:
+                    row.runs.append(run_worker(worker_device, method, uri, files))
+                except BenchmarkError as error:
+                    row.failed, row.runs = str(error), []
+                    if on_run is not None:
+                        on_run(f"round {round_number + 1}/{rounds} {cache:4s} {method:24s} FAILED: {_first_line(row.failed)}")
+                    continue
                 if on_run is not None:
                     run = row.runs[-1]
                     on_run(f"round {round_number + 1}/{rounds} {cache:4s} {method:24s} {run['bytes'] / run['seconds'] / 1e9:6.2f} GB/s")
@@ -179,6 +194,9 @@ def format_table(report: BenchReport) -> str:
         if "skipped" in summary:
             lines.append(f"{row.cache:5s} {row.method:24s} skipped: {summary['skipped']}")
             continue
+        if "failed" in summary:
+            lines.append(f"{row.cache:5s} {row.method:24s} FAILED: {_first_line(summary['failed'])}")
+            continue
         first = summary["first_tensor_seconds_median"]
         ratio = table_ratios.get(row.cache, {}).get(row.method)
         lines.append(
@@ -202,7 +220,7 @@ def plot(summary: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = [r for r in summary["results"] if "skipped" not in r]
+    results = [r for r in summary["results"] if "skipped" not in r and "failed" not in r]
     caches = [c for c in (*CACHES, SERVER_CACHE) if any(r["cache"] == c for r in results)]
     methods = list(dict.fromkeys(r["method"] for r in results))
     figure, axes = plt.subplots(figsize=(11, 4.8))
@@ -240,12 +258,28 @@ def prepare_cache(files: list[str], cache: str) -> None:
 
 
 def run_worker(device: str, method: str, uri: str, files: list[str]) -> dict:
-    """One measurement of ``method`` in a fresh process (``weightstream.bench.worker``), as its JSON."""
+    """One measurement of ``method`` in a fresh process (``weightstream.bench.worker``), as its JSON.
+
+    Raises:
+        BenchmarkError: the worker failed, ran past :data:`WORKER_TIMEOUT_S` or printed no result; the
+            message ends with the last line of its error output (the exception that ended it).
+    """
     command = [sys.executable, "-m", "weightstream.bench.worker", device, method, uri, *files]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise BenchmarkError(f"benchmark of {method} ran past {WORKER_TIMEOUT_S} s") from None
     if result.returncode != 0:
-        raise BenchmarkError(f"benchmark of {method} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+        lines = result.stderr.strip().splitlines() or ["(no error output)"]
+        raise BenchmarkError(f"benchmark of {method} failed (exit {result.returncode}): {lines[-1][-500:]}")
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise BenchmarkError(f"benchmark of {method} printed no result: {result.stdout[-500:]!r}") from None
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0] if text else text
 
 
 def _machine(device: str) -> dict:

@@ -7,6 +7,7 @@ inside the checkpoint directory: relative, no ``..``, no scheme.
 from __future__ import annotations
 
 import dataclasses
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,7 +63,16 @@ def parse_index(raw: bytes, file: str) -> ShardIndex:
 
 
 def check_shard_name(shard: str, where: str) -> None:
-    """Refuse shard names that could leave the checkpoint directory (absolute, ``..``, URLs)."""
-    parts = shard.replace("\\", "/").split("/")
-    if not shard or parts[0] == "" or ":" in shard or "\x00" in shard or ".." in parts:
-        raise ShardIndexError(f"{where}: shard name {shard!r} is not a plain relative path inside the checkpoint directory")
+    """Refuse shard names that could leave the checkpoint directory (absolute, ``..``, URLs), as written
+    or once percent-decoded (a web server decodes ``%2e%2e%2f`` into ``../``), and query strings.
+
+    Example:
+        >>> check_shard_name("%2e%2e/secret.safetensors", "index")
+        Traceback (most recent call last):
+        ...
+        weightstream.errors.ShardIndexError: index: shard name '%2e%2e/secret.safetensors' is not a plain relative path inside the checkpoint directory
+    """
+    for form in (shard, urllib.parse.unquote(shard)):
+        parts = form.replace("\\", "/").split("/")
+        if not form or parts[0] == "" or ":" in form or "\x00" in form or "?" in form or "#" in form or ".." in parts or "." in parts:
+            raise ShardIndexError(f"{where}: shard name {shard!r} is not a plain relative path inside the checkpoint directory")

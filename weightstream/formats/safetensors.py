@@ -8,7 +8,6 @@ is checked here, before any buffer is sized from the header's numbers.
 from __future__ import annotations
 
 import dataclasses
-import math
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -156,20 +155,22 @@ def _entry(name: str, value: object, file: str) -> HeaderEntry:
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise HeaderError(f"{where}: unknown dtype {dtype_name!r}; known: {', '.join(DTYPES)}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise HeaderError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        raise HeaderError(f"{where}: shape {_shown(shape) if isinstance(shape, list) else repr(shape)[:200]} is not a list of non-negative integers")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
         raise HeaderError(f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers")
     begin, end = offsets
     if begin > end:
         raise HeaderError(f"{where}: data_offsets [{begin}, {end}] begin after they end")
-    elements = math.prod(shape)
-    if elements > MAX_ELEMENTS:
-        raise HeaderError(f"{where}: shape {shape} has {elements} elements, more than fit in 64 bits")
+    elements = 1
+    for dimension in shape:
+        elements *= dimension
+        if elements > MAX_ELEMENTS:
+            raise HeaderError(f"{where}: shape {_shown(shape)} has more than 2**63 - 1 elements, more than fit in 64 bits")
     expected = _nbytes(dtype_name, shape, elements, where)
     if end - begin != expected:
         raise HeaderError(
             f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
-            f"expected {expected} for {dtype_name} {shape}"
+            f"expected {expected} for {dtype_name} {_shown(shape)}"
         )
     torch_shape = tuple(shape[:-1]) + (shape[-1] // 2,) if dtype_name in PACKED_PAIRS else tuple(shape)
     return HeaderEntry(name, dtype_name, DTYPES[dtype_name], torch_shape, begin, end)
@@ -178,7 +179,7 @@ def _entry(name: str, value: object, file: str) -> HeaderEntry:
 def _nbytes(dtype_name: str, shape: list[int], elements: int, where: str) -> int:
     if dtype_name in PACKED_PAIRS:
         if not shape or shape[-1] % 2:
-            raise HeaderError(f"{where}: {dtype_name} packs two values per byte; the last dimension of {shape} must be even")
+            raise HeaderError(f"{where}: {dtype_name} packs two values per byte; the last dimension of {_shown(shape)} must be even")
         return elements // 2
     return elements * DTYPES[dtype_name].itemsize
 
@@ -205,6 +206,11 @@ def _check_coverage(entries: tuple[HeaderEntry, ...], data_bytes: int, data_offs
             f"{file}: {data_bytes - reached} trailing bytes after the last tensor "
             f"(tensors end at file byte {data_offset + reached}, file has {data_offset + data_bytes} bytes)"
         )
+
+
+def _shown(shape: list[int]) -> str:
+    """A shape for a message, shortened: a hostile header's shape may have a million dimensions."""
+    return str(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ... ({len(shape)} dimensions)]"
 
 
 def _is_int(value: object) -> bool:

@@ -25,6 +25,9 @@ Rank = Union[int, tuple[int, int]]
 """``{rank}``: the rank; ``{pp_rank}``/``{tp_rank}``: (pp_rank, tp_rank). World sizes take the same shapes."""
 
 _FIELDS = {"rank", "pp_rank", "tp_rank", "part"}
+MAX_INDEX_DIGITS = 9
+"""A rank or part number in a file name has at most this many digits; a longer run names no file of ours
+(and would cost Python's integer parser, which refuses runs over 4,300 digits, a bare ValueError)."""
 
 
 class ShardPattern:
@@ -44,9 +47,14 @@ class ShardPattern:
         if not isinstance(pattern, str):
             raise InvalidOptionError(f"a shard pattern must be a string, got {type(pattern).__name__}")
         try:
-            fields = [field for _, field, _, _ in string.Formatter().parse(pattern) if field is not None]
+            parsed = list(string.Formatter().parse(pattern))
         except ValueError as error:
             raise InvalidOptionError(f"shard pattern {pattern!r} is not a format string: {error}") from None
+        fields = [field for _, field, _, _ in parsed if field is not None]
+        decorated = [f"{{{field}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}"
+                     for _, field, spec, conversion in parsed if field is not None and (spec or conversion)]
+        if decorated:
+            raise InvalidOptionError(f"shard pattern {pattern!r} uses {decorated[0]}; placeholders take no format spec or conversion")
         unknown = sorted(set(fields) - _FIELDS)
         if unknown:
             raise InvalidOptionError(f"shard pattern {pattern!r} uses {{{unknown[0]}}}; the placeholders are {{rank}} or {{pp_rank}} and {{tp_rank}}, and {{part}}")
@@ -62,7 +70,7 @@ class ShardPattern:
         for literal, field, _, _ in string.Formatter().parse(pattern):
             regex += re.escape(literal)
             if field is not None:
-                regex += rf"(?P<{field}>0|[1-9][0-9]*)"
+                regex += rf"(?P<{field}>0|[1-9][0-9]{{0,{MAX_INDEX_DIGITS - 1}}})"
         self._regex = re.compile(regex)
 
     def check_rank(self, rank: object, what: str = "rank") -> Rank:

@@ -9,7 +9,9 @@ from weightstream.errors import FormatError
 
 
 def parse_json(text: str, error: type[FormatError], where: str) -> Any:
-    """``json.loads`` that raises ``error`` (naming ``where``) instead of accepting ambiguous JSON.
+    """``json.loads`` that raises ``error`` (naming ``where``) instead of accepting ambiguous JSON, or
+    strings that are not Unicode text (a ``\\ud800`` escape decodes to a lone surrogate, which no
+    UTF-8 output can hold: safetensors' own parser refuses it).
 
     Example:
         >>> parse_json('{"a": 1}', FormatError, "f")
@@ -23,6 +25,9 @@ def parse_json(text: str, error: type[FormatError], where: str) -> Any:
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         result: dict[str, Any] = {}
         for key, value in pairs:
+            _check_text(key, error, where)
+            if isinstance(value, (str, list)):
+                _check_text(value, error, where)
             if key in result:
                 raise error(f"{where} has the key {key!r} twice")
             result[key] = value
@@ -32,7 +37,10 @@ def parse_json(text: str, error: type[FormatError], where: str) -> Any:
         raise error(f"{where} contains the non-JSON constant {constant}")
 
     try:
-        return json.loads(text, object_pairs_hook=unique, parse_constant=reject)
+        document = json.loads(text, object_pairs_hook=unique, parse_constant=reject)
+        if isinstance(document, (str, list)):
+            _check_text(document, error, where)
+        return document
     except FormatError:
         raise
     except json.JSONDecodeError as decode_error:
@@ -40,3 +48,19 @@ def parse_json(text: str, error: type[FormatError], where: str) -> Any:
     except (ValueError, RecursionError) as other:
         # Integers longer than Python's digit limit, or nesting deeper than the recursion limit.
         raise error(f"{where} is not acceptable JSON: {other}") from None
+
+
+def _check_text(value: Any, error: type[FormatError], where: str) -> None:
+    """Refuse lone surrogates in ``value`` (a string, or the strings of a list, at any depth; objects
+    are checked as they are built)."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as bad:
+                raise error(f"{where} holds a string with a lone surrogate (U+{ord(value[bad.start]):04X}) at character {bad.start}: "
+                            f"not valid Unicode text") from None
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, (str, list)):
+                _check_text(item, error, where)

@@ -36,8 +36,6 @@ class DistributedLoader:
             "zero_copy": "maps whole files; each rank here reads only its share",
             "max_inflight_bytes": "every rank holds the whole checkpoint; use format='streaming' for a window",
         })
-        if torch.device(opts.device).type not in TRANSPORTS:
-            raise InvalidOptionError(f"device {opts.device!r}: the distributed loader lands tensors on the CPU (over gloo) or on a CUDA device (over NCCL)")
         if opts.stats is not None and not isinstance(opts.stats, DistributedStats):
             raise InvalidOptionError(f"stats must be a weightstream.DistributedStats, got {type(opts.stats).__name__}")
         check_destination(opts.device, opts.pin_memory)

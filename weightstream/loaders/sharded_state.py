@@ -10,7 +10,14 @@ from typing import ClassVar
 
 import torch
 
-from weightstream.errors import IncompleteSaveError, IntegrityError, InvalidOptionError, ManifestError, NotFound
+from weightstream.errors import (
+    IncompleteSaveError,
+    IntegrityError,
+    InvalidOptionError,
+    ManifestError,
+    NotFound,
+    SourceChangedError,
+)
 from weightstream.formats.manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
@@ -83,7 +90,7 @@ class ShardedStateLoader:
         manifest = self._manifests.pop(id(plan), None)
         if opts.verify and manifest is None:
             raise InvalidOptionError(f"verify=True: {plan.uri} has no manifest for this rank, so no checksums to verify against")
-        return _read_and_close(self._stores.take(plan, opts), plan, opts, manifest if opts.verify else None)
+        return _read_and_close(self._stores.take(plan, opts), plan, opts, manifest)
 
 
 def rank_files(store: Store, uri: str, rank: Rank | None, world_size: Rank | None, opts: LoadOptions) -> tuple[list[str], Manifest | None]:
@@ -213,16 +220,32 @@ def _check_against_manifest(store: Store, plan: LoadPlan, manifest: Manifest, pa
 
 
 def _read_and_close(store: Store, plan: LoadPlan, opts: LoadOptions, manifest: Manifest | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read the plan (checking every tensor with ``verify``); with a manifest, check at the end that the
+    rank was not saved again meanwhile: the manifest a save rewrites must be the one planned."""
     with contextlib.closing(store):
         if manifest is None:
             yield from read_tensors(store, plan, opts)
             return
-        checksums = _checksums_by_tensor(plan, manifest)
-        _verify_headers(store, plan, manifest)
+        checksums = _checksums_by_tensor(plan, manifest) if opts.verify else {}
+        if opts.verify:
+            _verify_headers(store, plan, manifest)
         with contextlib.closing(read_tensors(store, plan, opts)) as tensors:
             for name, tensor in tensors:
-                _verify_tensor(name, tensor, checksums[name], manifest.checksum)
+                if opts.verify:
+                    _verify_tensor(name, tensor, checksums[name], manifest.checksum)
                 yield name, tensor
+        _check_same_save(store, plan.uri, manifest)
+
+
+def _check_same_save(store: Store, uri: str, manifest: Manifest) -> None:
+    """Raise :class:`SourceChangedError` if ``manifest``'s rank was saved again (or is being saved) since the plan."""
+    path = store.join(uri, manifest_name(manifest.rank))
+    try:
+        now = _read_manifest(store, path)
+    except (NotFound, ManifestError) as error:
+        raise SourceChangedError(f"{uri}: {describe(manifest.rank)} was being saved again while it loaded ({error}); load again") from None
+    if now != manifest:
+        raise SourceChangedError(f"{uri}: {describe(manifest.rank)} was saved again while it loaded (its manifest changed); load again")
 
 
 def _checksums_by_tensor(plan: LoadPlan, manifest: Manifest) -> dict[str, tuple[str, int, int, str]]:

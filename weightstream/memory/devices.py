@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from weightstream.errors import DeviceUnavailableError
+from weightstream.errors import DeviceMemoryError, DeviceUnavailableError, HostMemoryError
 from weightstream.memory import pinning
 
 log = logging.getLogger(__name__)
@@ -48,3 +48,42 @@ def check_destination(device: str, pin_memory: bool | str) -> bool:
             return True
         log.info("pin_memory='auto': CUDA is present but cuda-python is not, so CPU tensors are pageable; %s", pinning.INSTALL_HINT)
     return False
+
+
+def check_fits(nbytes: int, device: str, what: str) -> None:
+    """Raise before anything is sized from ``nbytes`` if the destination could never hold that much at
+    once: more than the GPU's memory, or than this machine's RAM and swap together. A header claiming
+    2**50 bytes is refused here, instead of a planner building a request for every chunk of it.
+
+    Example:
+        >>> check_fits(2**50, "cpu", "model.safetensors")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        weightstream.errors.HostMemoryError: model.safetensors: needs 1125899906842624 bytes of memory at once, more than this machine has (...)
+    """
+    target = torch.device(device)
+    if target.type == "cuda":
+        index = target.index if target.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        if nbytes > total:
+            raise DeviceMemoryError(f"{what}: needs {nbytes} bytes of device memory at once, more than {device} has ({total} bytes)")
+        return
+    limit = host_memory_limit()
+    if nbytes > limit:
+        raise HostMemoryError(f"{what}: needs {nbytes} bytes of memory at once, more than this machine has ({limit} bytes of RAM and swap)")
+
+
+def host_memory_limit() -> int:
+    """RAM plus swap (``/proc/meminfo``): no allocation of more can ever succeed.
+
+    Example:
+        >>> host_memory_limit() > 0
+        True
+    """
+    totals = {}
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            key, _, value = line.partition(":")
+            if key in ("MemTotal", "SwapTotal"):
+                totals[key] = int(value.split()[0]) * 1024
+    return totals.get("MemTotal", 0) + totals.get("SwapTotal", 0)

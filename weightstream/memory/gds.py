@@ -17,8 +17,8 @@ from types import ModuleType
 
 import torch
 
-from weightstream.errors import DeviceUnavailableError, SourceError
-from weightstream.sources.base import check_unchanged
+from weightstream.errors import DeviceUnavailableError
+from weightstream.sources.local import check_identity, open_regular
 
 NVIDIA_FS = "/sys/module/nvidia_fs"
 """Present when the nvidia-fs kernel module (true GPUDirect DMA) is loaded."""
@@ -88,14 +88,11 @@ def registered_buffer(cufile: ModuleType, buffer: torch.Tensor) -> Iterator[int]
 
 
 @contextlib.contextmanager
-def registered_file(cufile: ModuleType, path: str, planned_size: int) -> Iterator[int]:
-    """A cuFile handle on ``path`` opened with O_DIRECT, checked to still have its planned size."""
+def registered_file(cufile: ModuleType, path: str, planned_size: int, planned_version: str | None) -> Iterator[int]:
+    """A cuFile handle on ``path`` opened with O_DIRECT, checked to still be the file planned (size and identity)."""
+    fd, status = open_regular(path, os.O_DIRECT)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as error:
-        raise SourceError(f"{path}: cannot open for GPUDirect Storage (O_DIRECT): {error.strerror}") from None
-    try:
-        check_unchanged(path, planned_size, os.fstat(fd).st_size)
+        check_identity(path, planned_size, planned_version, status)
         descriptor = cufile.Descr()
         descriptor.type = cufile.FileHandleType.OPAQUE_FD
         descriptor.handle.fd = fd

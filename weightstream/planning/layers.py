@@ -29,10 +29,11 @@ from weightstream.planning.plan import TensorSpec
 LayerRule = Union[str, "re.Pattern[str]", Callable[[str], str]]
 """A regular expression (its first group captures the layer number), or a callable name -> layer key."""
 
-DEFAULT_LAYER_PATTERN = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+DEFAULT_LAYER_PATTERN = re.compile(r"(?:^|\.)layers\.([0-9]+)\.")
 """Llama, Qwen, Mistral (and their MoE variants): ``...layers.<number>.``."""
 
-_TRAILING_NUMBER = re.compile(r"(\d+)$")
+_TRAILING_NUMBER = re.compile(r"([0-9]+)$")
+ASCII_DIGITS = re.compile(r"[0-9]+")
 _EMBEDDING = re.compile(r"emb|^wte$|^wpe$")
 """Input embeddings, by the key's last component: embed_tokens, tok_embeddings, word_embeddings, rotary_emb, wte, wpe."""
 _HEAD = re.compile(r"head|_out$")
@@ -103,22 +104,34 @@ def group_layers(tensors: Sequence[TensorSpec], rule: re.Pattern[str] | Callable
     return [Layer(key, tuple(members[key])) for key in sorted(members, key=ranks.__getitem__)]
 
 
-def _layer_of(name: str, rule: re.Pattern[str] | Callable[[str], str]) -> tuple[str, int | None]:
-    """The key of ``name``'s layer, and its number if it is a numbered layer."""
+def _layer_of(name: str, rule: re.Pattern[str] | Callable[[str], str]) -> tuple[str, tuple[int, str] | None]:
+    """The key of ``name``'s layer, and its number (as :func:`layer_number`) if it is a numbered layer."""
     if isinstance(rule, re.Pattern):
         match = rule.search(name)
         if match is None or match.group(1) is None:
             return _module_of(name), None
-        if not match.group(1).isdigit():
-            raise InvalidOptionError(f"layer_rule {rule.pattern!r} captured {match.group(1)!r} from tensor {name!r}: not a layer number")
-        return name[: match.end(1)], int(match.group(1))
+        if not ASCII_DIGITS.fullmatch(match.group(1)):
+            raise InvalidOptionError(f"layer_rule {rule.pattern!r} captured {match.group(1)[:40]!r} from tensor {name[:200]!r}: not a layer number")
+        return name[: match.end(1)], layer_number(match.group(1))
     key = rule(name)
     if not isinstance(key, str):
         raise OptionError(f"layer_rule returned {type(key).__name__} for tensor {name!r}; it must return the layer's key, a string")
     if not key:
         raise InvalidOptionError(f"layer_rule returned an empty key for tensor {name!r}")
     trailing = _TRAILING_NUMBER.search(key)
-    return key, None if trailing is None else int(trailing.group(1))
+    return key, None if trailing is None else layer_number(trailing.group(1))
+
+
+def layer_number(digits: str) -> tuple[int, str]:
+    """A sort key for a run of ASCII digits that orders like its integer, however long the run (Python's
+    ``int`` refuses runs over 4,300 digits): shorter numbers first, then digit by digit.
+
+    Example:
+        >>> sorted(["10", "9", "0010"], key=layer_number)
+        ['9', '10', '0010']
+    """
+    significant = digits.lstrip("0") or "0"
+    return len(significant), significant
 
 
 def _module_of(name: str) -> str:
@@ -126,7 +139,7 @@ def _module_of(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else name
 
 
-def _rank(key: str, number: int | None, position: int) -> tuple[int, int, int]:
+def _rank(key: str, number: tuple[int, str] | None, position: int) -> tuple[int, object, int]:
     """Embeddings, then numbered layers by number, then other modules, heads last; ties by position."""
     if number is not None:
         return 1, number, position

@@ -30,15 +30,16 @@ from typing import Any
 import torch
 
 from weightstream.errors import PeerError
+from weightstream.memory.devices import check_fits
 from weightstream.memory.host import HostArena
 from weightstream.memory.ring import CopyHandle
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import FileLayout, LoadPlan, ReadRequest, layout_file
+from weightstream.readers.files import FileHandles
 from weightstream.readers.staged import Staging, stage_request, staging_ring
 from weightstream.readers.tasks import (
     Waiting,
     buffer_tensor,
-    open_checked,
     read_into_arena,
     start_readers,
     wants_huge_pages,
@@ -130,6 +131,7 @@ def read_distributed(
     chunk_bytes = opts.chunk_bytes if opts.chunk_bytes is not None else max(SHARE_CHUNK_BYTES, opts.request_bytes(plan.uri))
     if staging is not None:
         chunk_bytes = min(chunk_bytes, opts.staging_slot_bytes)
+    check_fits(plan.total_bytes, opts.device, plan.uri)
     layouts = [layout_file(plan.tensors_of(spec.path), chunk_bytes) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
     chunks = assign_chunks(layouts, world_size)
@@ -137,7 +139,8 @@ def read_distributed(
     _check_same_plan(plan, chunks, group, device)
     files = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
-        sources = [cleanup.enter_context(open_checked(store, files[layout.file], opts)) for layout in layouts]
+        handles = cleanup.enter_context(FileHandles(store, opts))
+        sources = [handles.source(files[layout.file]) for layout in layouts]
         landing = _HostLanding(layouts, sources, opts, pinned) if staging is None else _StagedLanding(layouts, staging, opts)
         cleanup.callback(landing.close)  # registered first: runs after the readers stopped writing
         peers = _Peers(group, device)

@@ -20,6 +20,7 @@ import torch
 from weightstream.errors import SourceError, TruncatedFileError
 from weightstream.memory import gds
 from weightstream.memory.cuda import CudaStaging
+from weightstream.memory.devices import check_fits
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan, ReadRequest, layout_file
 from weightstream.readers.tasks import THREAD_NAME_PREFIX, buffer_tensor, forget_failures, tensors_as_read
@@ -32,15 +33,16 @@ def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator
         >>> for name, tensor in read_gds(plan, LoadOptions(device="cuda", gds=True), CudaStaging("cuda")):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
+    check_fits(plan.total_bytes, opts.device, plan.uri)
     layouts = [layout_file(plan.tensors_of(spec.path), opts.request_bytes(plan.uri)) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
-    sizes = {spec.path: spec.size for spec in plan.files}
+    specs = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
         cufile = cleanup.enter_context(gds.driver())
         destinations = [device.allocate(layout.buffer_bytes, layout.file) for layout in layouts]
         cleanup.callback(destinations.clear)
         addresses = [cleanup.enter_context(gds.registered_buffer(cufile, buffer)) for buffer in destinations]
-        handles = [cleanup.enter_context(gds.registered_file(cufile, layout.file, sizes[layout.file])) for layout in layouts]
+        handles = [cleanup.enter_context(gds.registered_file(cufile, layout.file, specs[layout.file].size, specs[layout.file].version)) for layout in layouts]
         futures: dict[Future, tuple[int, int]] = {}
         cleanup.callback(forget_failures, futures)
         stop = threading.Event()

@@ -35,15 +35,16 @@ import torch
 import torch.utils.dlpack
 
 from weightstream.errors import LayerInUseError, OptionError
+from weightstream.memory.devices import check_fits
 from weightstream.memory.host import HostArena, view_as
 from weightstream.memory.ring import StagingRing
 from weightstream.options import LoadOptions
 from weightstream.planning.layers import Layer
 from weightstream.planning.plan import FileLayout, LoadPlan, TensorSpec, layout_file
+from weightstream.readers.files import FileHandles
 from weightstream.readers.staged import Staging, stage_request, staging_ring
 from weightstream.readers.tasks import (
     THREAD_NAME_PREFIX,
-    open_checked,
     read_into_arena,
     start_readers,
     wants_huge_pages,
@@ -109,11 +110,14 @@ def read_layers(
     """
     request_bytes = opts.request_bytes(plan.uri)
     chunk_bytes = request_bytes if staging is None else min(request_bytes, opts.staging_slot_bytes)
+    largest, count = max((layer.nbytes for layer in layers), default=0), min(opts.prefetch_layers + 1, len(layers))
+    check_fits(largest * count, opts.device, f"{plan.uri} ({count} buffer(s) of its largest layer)")
     paths = list(dict.fromkeys(spec.file for spec in plan.tensors))
     layouts = layout_layers(layers, paths, chunk_bytes)
     files = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
-        sources = [cleanup.enter_context(open_checked(store, files[path], opts)) for path in paths]
+        handles = cleanup.enter_context(FileHandles(store, opts))
+        sources = [handles.source(files[path]) for path in paths]
         buffers = _Buffers(layouts, opts, sources, pinned, staging)
         cleanup.callback(buffers.clear)  # registered first: emptied after the readers stopped writing
         ring = None

@@ -18,13 +18,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from weightstream.errors import DeviceUnavailableError
-from weightstream.memory.devices import check_destination
+from weightstream.memory.devices import check_destination, check_fits
 from weightstream.memory.host import HostArena, MappedFile
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import FileLayout, LoadPlan, ReadRequest, layout_file
+from weightstream.readers.files import FileHandles
 from weightstream.readers.tasks import (
     THREAD_NAME_PREFIX,
-    open_checked,
     read_request,
     start_readers,
     tensors_as_read,
@@ -50,11 +50,13 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
         yield from _cuda_tensors(store, plan, opts)
         return
     pinned = check_destination(opts.device, opts.pin_memory)
+    check_fits(plan.total_bytes, opts.device, plan.uri)
     layouts = [layout_file(plan.tensors_of(spec.path), opts.request_bytes(plan.uri)) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
     specs = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
-        sources = [cleanup.enter_context(open_checked(store, specs[layout.file], opts)) for layout in layouts]
+        files = cleanup.enter_context(FileHandles(store, opts))
+        sources = [files.source(specs[layout.file]) for layout in layouts]
         arenas = [
             HostArena(layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=pinned)
             for layout, source in zip(layouts, sources, strict=True)
@@ -102,9 +104,13 @@ def _mapped_tensors(plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, to
         tensors = plan.tensors_of(spec.path)
         if not tensors:
             continue
-        mapped = MappedFile(spec.path, spec.size)
-        for tensor in tensors:
-            yield tensor.name, mapped.tensor(tensor)
+        mapped = MappedFile(spec.path, spec.size, spec.version)
+        try:
+            for tensor in tensors:
+                yield tensor.name, mapped.tensor(tensor)
+            mapped.verify_unchanged()
+        finally:
+            mapped.close()  # a failed load's traceback holds this frame: it must not hold the mapping too
         if opts.progress is not None:
             opts.progress(sum(tensor.nbytes for tensor in tensors))
 

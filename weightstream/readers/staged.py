@@ -18,10 +18,12 @@ from typing import Protocol
 
 import torch
 
+from weightstream.memory.devices import check_fits
 from weightstream.memory.ring import CopyEngine, CopyHandle, StagingRing
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import PAGE, LoadPlan, ReadRequest, layout_file
-from weightstream.readers.tasks import buffer_tensor, open_checked, read_request, start_readers, tensors_as_read
+from weightstream.readers.files import FileHandles
+from weightstream.readers.tasks import buffer_tensor, read_request, start_readers, tensors_as_read
 from weightstream.sources.base import Source, Store
 
 
@@ -47,12 +49,14 @@ def read_staged(store: Store, plan: LoadPlan, opts: LoadOptions, staging: Stagin
         >>> for name, tensor in read_staged(LocalStore(), plan, opts, CudaStaging("cuda:0")):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
+    check_fits(plan.total_bytes, opts.device, plan.uri)
     chunk_bytes = min(opts.request_bytes(plan.uri), opts.staging_slot_bytes)
     layouts = [layout_file(plan.tensors_of(spec.path), chunk_bytes) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
     specs = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
-        sources = [cleanup.enter_context(open_checked(store, specs[layout.file], opts)) for layout in layouts]
+        files = cleanup.enter_context(FileHandles(store, opts))
+        sources = [files.source(specs[layout.file]) for layout in layouts]
         destinations = [staging.allocate(layout.buffer_bytes, layout.file) for layout in layouts]
         cleanup.callback(destinations.clear)
         ring = staging_ring(staging, opts)

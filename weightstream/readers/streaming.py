@@ -22,10 +22,12 @@ from concurrent.futures import FIRST_COMPLETED, wait
 import torch
 
 from weightstream.errors import InvalidOptionError
+from weightstream.memory.devices import check_fits
 from weightstream.memory.host import HostArena
 from weightstream.options import DEFAULT_INFLIGHT_BYTES, LoadOptions
 from weightstream.planning.plan import PAGE, FileLayout, LoadPlan, TensorSpec, layout_file, round_up_to_page
-from weightstream.readers.tasks import Waiting, open_checked, read_into_arena, start_readers, wants_huge_pages
+from weightstream.readers.files import FileHandles
+from weightstream.readers.tasks import Waiting, read_into_arena, start_readers, wants_huge_pages
 from weightstream.sources.base import Store
 
 
@@ -90,11 +92,13 @@ def read_streaming(store: Store, plan: LoadPlan, opts: LoadOptions, *, pinned: b
         ...     model[name].copy_(tensor)
     """
     window = window_bytes(plan, opts)
+    check_fits(window, opts.device, plan.uri)
     batches = plan_batches(plan, opts.request_bytes(plan.uri))
     paths = list(dict.fromkeys(spec.file for spec in plan.tensors))
     specs = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
-        sources = [cleanup.enter_context(open_checked(store, specs[path], opts)) for path in paths]
+        files = cleanup.enter_context(FileHandles(store, opts))
+        sources = [files.source(specs[path]) for path in paths]
         # Batch number -> its memory, while the batch is in the window. Registered first, so that it
         # is emptied last, after the readers writing into it have stopped.
         arenas: dict[int, HostArena] = {}

@@ -1,5 +1,5 @@
-"""What the host and the staged readers share: opening checked sources, reading one request,
-tracking which tensors wait for which reads, and letting go of failed readers' memory."""
+"""What the host and the staged readers share: reading one request, tracking which tensors wait for
+which reads, and letting go of failed readers' memory (their files: :mod:`weightstream.readers.files`)."""
 
 from __future__ import annotations
 
@@ -14,24 +14,10 @@ import torch
 
 from weightstream.memory.host import HostArena, view_as
 from weightstream.options import LoadOptions
-from weightstream.planning.plan import PAGE, FileLayout, FileSpec, ReadRequest, round_up_to_page
-from weightstream.sources.base import Source, Store, check_unchanged
+from weightstream.planning.plan import PAGE, FileLayout, ReadRequest, round_up_to_page
+from weightstream.sources.base import Source
 
 THREAD_NAME_PREFIX = "weightstream-read"
-
-
-@contextlib.contextmanager
-def open_checked(store: Store, spec: FileSpec, opts: LoadOptions) -> Iterator[Source]:
-    """Open ``spec``'s file for this load's reads, checking it still has the size the plan was made from.
-
-    A versioned object is opened at its planned version without asking the store again: its reads are
-    pinned to that version, so a replaced object fails at its first read instead."""
-    source = store.open(spec.path, direct=opts.direct_io) if spec.version is None else store.open_pinned(spec.path, spec.size, spec.version)
-    try:
-        check_unchanged(spec.path, spec.size, source.size, spec.version, source.version)
-        yield source
-    finally:
-        source.close()
 
 
 def wants_huge_pages(source: Source, opts: LoadOptions) -> bool:

@@ -1,14 +1,16 @@
 """Saving one rank's sharded state, atomically.
 
 A save writes its parts to hidden temporary names (``O_EXCL``, fsync), then, holding the
-directory's save lock for the rank, sets the rank's saving marker, removes its manifest, renames
+directory's save lock (``flock`` on the directory itself, so no lock file is left behind; saves
+of other ranks wait only for these renames), sets the rank's saving marker, removes its manifest, renames
 the parts into place, deletes parts a previous save left beyond the new count, fsyncs the
 directory, writes the manifest (temporary name, fsync, rename, fsync) and removes the marker.
 
 A crash before the marker leaves the previous state (and hidden temporary files, swept by the
 next save once their writer is dead); a crash after it leaves the marker, which the loader
-refuses: never a mix of two saves. Two saves of one rank at once serialise on the lock (``flock``,
-released by the kernel if the holder dies), so the last one wins, complete. A write that fails (a
+refuses: never a mix of two saves. Two saves of one rank at once serialise on the lock (released
+by the kernel if the holder dies), so the last one wins, complete. A load running while its rank is
+saved again sees the manifest change and raises rather than return tensors of two saves. A write that fails (a
 full disk) removes every temporary file and raises ``SaveError``.
 """
 
@@ -78,16 +80,16 @@ def save_sharded_state(
         raise InvalidOptionError(f"checksum must be one of {', '.join(CHECKSUMS)}, got {checksum!r}")
     _check_state_dict(state_dict)
     directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
     token = f"{os.getpid()}-{secrets.token_hex(6)}"
     temporary: list[str] = []
     try:
+        _make_directory(directory)
         entries = []
         for number, tensors in enumerate(_parts(state_dict, max_file_bytes)):
             name = shards.name(rank, number)
             temporary.append(os.path.join(directory, f".{name}{TEMP_MARK}{token}"))
             entries.append(_write_part(temporary[-1], name, tensors, checksum, progress))
-        with _save_lock(directory, rank):
+        with _save_lock(directory):
             _sweep_dead_temporaries(directory, shards, rank)
             marker = os.path.join(directory, saving_marker_name(rank))
             _write_atomically(marker, token.encode(), token)
@@ -106,8 +108,12 @@ def save_sharded_state(
             _write_atomically(os.path.join(directory, manifest_name(rank)), encode_manifest(manifest), token)
             os.remove(marker)
             _fsync_directory(directory)
+    except SaveError:
+        raise
     except OSError as error:
-        raise SaveError(f"saving {describe(rank)} into {directory} failed: {error.strerror or error} ({error.filename or directory})") from None
+        failure = SaveError(f"saving {describe(rank)} into {directory} failed: {error.strerror or error} ({error.filename or directory})")
+        failure.errno = error.errno
+        raise failure from None
     finally:
         for path in temporary:
             with contextlib.suppress(FileNotFoundError):
@@ -201,10 +207,20 @@ def _fsync_directory(directory: str) -> None:
         os.close(descriptor)
 
 
+def _make_directory(directory: str) -> None:
+    """Create ``directory`` (and its parents) unless it is one; a file in the way is a :class:`SaveError`."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        failure = SaveError(f"cannot save into {directory}: it is a file, not a directory")
+        failure.errno = errno.ENOTDIR
+        raise failure
+    os.makedirs(directory, exist_ok=True)
+
+
 @contextlib.contextmanager
-def _save_lock(directory: str, rank: Rank) -> Iterator[None]:
-    """The rank's save lock in ``directory``: ``flock``, which the kernel releases if the holder dies."""
-    descriptor = os.open(os.path.join(directory, saving_marker_name(rank) + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def _save_lock(directory: str) -> Iterator[None]:
+    """The directory's save lock: ``flock`` on the directory itself, which the kernel releases if the
+    holder dies, and which leaves no file behind."""
+    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
         yield

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from weightstream.errors import UnsupportedInputError
 from weightstream.sources.base import Source, Store
-from weightstream.sources.http import HttpStore
 from weightstream.sources.local import LocalStore
-from weightstream.sources.objectstore import PROTOCOLS, ObjectStore
 from weightstream.sources.retry import RetryPolicy
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "http://", "https://")
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 __all__ = ["Source", "Store", "store_for"]
 
@@ -25,11 +25,19 @@ def store_for(uri: str, storage_options: Mapping[str, Any] | None = None, policy
         >>> type(store_for("/tmp")).__name__
         'LocalStore'
     """
+    scheme = _SCHEME.match(uri)
+    if scheme is None or scheme[1] == "file":
+        return LocalStore()
     if uri.startswith(("http://", "https://")):
+        from weightstream.sources.http import HttpStore
+
         return HttpStore(storage_options, policy)
-    if uri.startswith(REMOTE_SCHEMES):
-        scheme = uri.split("://", 1)[0]
-        if scheme not in PROTOCOLS:
-            raise UnsupportedInputError(f"{uri}: {scheme}:// URIs are not supported; use s3://, gs://, http(s):// or a local path")
-        return ObjectStore(scheme, storage_options, policy)
-    return LocalStore()
+    if uri.startswith("s3://"):
+        from weightstream.sources.s3 import S3Store
+
+        return S3Store(storage_options, policy)
+    if uri.startswith(("gs://", "gcs://")):
+        from weightstream.sources.gcs import GcsStore
+
+        return GcsStore(storage_options, policy)
+    raise UnsupportedInputError(f"{uri}: {scheme[1]}:// URIs are not supported; use s3://, gs://, http(s)://, a local path or file://")

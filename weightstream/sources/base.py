@@ -13,7 +13,7 @@ class Source(Protocol):
     uri: str
     size: int
     version: str | None
-    """The version reads are pinned to (an S3 ETag, a GCS generation); None for local files."""
+    """The version reads are pinned to (an S3 ETag, a GCS generation, a local file's ``dev:inode:mtime_ns``)."""
 
     def read(self, offset: int, nbytes: int) -> bytes:
         """Exactly ``nbytes`` from ``offset`` (small reads: headers, indexes)."""
@@ -24,6 +24,10 @@ class Source(Protocol):
     def read_into(self, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the bytes from ``offset``, or raise; never a short read
         (except past the end of the file, for aligned direct reads)."""
+
+    def verify_unchanged(self) -> None:
+        """After the reads: raise :class:`SourceChangedError` if the object is no longer the version read
+        (a local file written in place); a no-op where every answer was checked as it came."""
 
     def close(self) -> None:
         """Release the descriptor or connection; idempotent."""
@@ -50,9 +54,13 @@ class Store(Protocol):
     def open(self, uri: str, *, direct: bool | str = False) -> Source:
         """Open ``uri`` for reading; ``direct`` is ``True``, ``False`` or ``"auto"`` (see ``LoadOptions.direct_io``)."""
 
-    def open_pinned(self, uri: str, size: int, version: str) -> Source:
-        """Stores whose objects have versions: ``uri`` at ``version`` without asking the store again; every
-        read is pinned to it, so a replaced object fails its first read (:class:`SourceChangedError`)."""
+    def resolve_direct(self, uri: str, direct: bool | str) -> bool:
+        """Whether reads of ``uri`` will go around the page cache, for ``direct`` (``True``, ``False`` or ``"auto"``)."""
+
+    def open_pinned(self, uri: str, size: int, version: str, *, direct: bool | str = False) -> Source:
+        """``uri`` at ``version`` (of ``size`` bytes): an object without asking the store again, every read
+        pinned to it, so a replaced object fails its first read; a local file checked to be the one planned
+        (:class:`SourceChangedError` either way)."""
 
     def close(self) -> None:
         """Release connections the store holds; idempotent."""

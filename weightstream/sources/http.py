@@ -10,18 +10,21 @@ listing, so a directory URL must hold ``model.safetensors.index.json``.
 from __future__ import annotations
 
 import http.client
+import re
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
 from weightstream.errors import InvalidOptionError, NotFound, SourceError, UnsupportedInputError
-from weightstream.sources.http_range import RangeClient
+from weightstream.sources.http_range import RangeClient, RangeTarget
 from weightstream.sources.objectstore import ObjectSource
 from weightstream.sources.retry import RetryPolicy, Transient
 
 FILE_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """A URL whose last segment ends so names a file; any other URL names a directory."""
 MAX_REDIRECTS = 5
+CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
+"""ASCII digits only (``str.isdigit`` takes superscripts, which ``int`` refuses), and a size that fits 64 bits."""
 LAST_MODIFIED = "last-modified "
 """Prefix of a version that is a ``Last-Modified`` date rather than an ETag."""
 
@@ -51,7 +54,9 @@ class HttpStore:
         """URI -> where its redirects led (ranges go there)."""
 
     def is_dir(self, uri: str) -> bool:
-        return not uri.rstrip("/").endswith(FILE_SUFFIXES) or uri.endswith("/")
+        """By the URL's path (a query string, ``?download=true`` or a signature, is not part of the name)."""
+        path = urllib.parse.urlsplit(uri).path
+        return not path.rstrip("/").endswith(FILE_SUFFIXES) or path.endswith("/")
 
     def exists(self, uri: str) -> bool:
         """Files: whether ``HEAD`` finds them. Directories always "exist": what they hold is found by name."""
@@ -61,14 +66,21 @@ class HttpStore:
         raise UnsupportedInputError(f"{uri}: HTTP has no directory listing")
 
     def join(self, directory: str, name: str) -> str:
-        return directory.rstrip("/") + "/" + name
+        """``name`` inside ``directory``; the directory's query string, if any, goes with every file in it.
+
+        Example:
+            >>> HttpStore().join("https://hub.example/llama/?download=true", "model.safetensors")
+            'https://hub.example/llama/model.safetensors?download=true'
+        """
+        parts = urllib.parse.urlsplit(directory)
+        return urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + urllib.parse.quote(name)))
 
     def open(self, uri: str, *, direct: bool | str = False) -> ObjectSource:
         """Open ``uri`` at the version its ``HEAD`` shows (``direct`` has no meaning here and is ignored)."""
         answer = self._head(uri)
         length = answer.getheader("Content-Length")
-        if length is None or not length.isdigit():
-            raise SourceError(f"{uri}: the server gave no Content-Length, so the file's size is unknown")
+        if length is None or not CONTENT_LENGTH.fullmatch(length.strip()):
+            raise SourceError(f"{uri}: the server gave no Content-Length of decimal digits ({length!r}), so the file's size is unknown")
         etag = answer.getheader("ETag")
         modified = answer.getheader("Last-Modified")
         if etag and not etag.startswith("W/"):
@@ -79,14 +91,21 @@ class HttpStore:
             raise SourceError(f"{uri}: the server gave neither a strong ETag nor Last-Modified, so reads cannot be pinned to one version")
         return ObjectSource(self, uri, int(length), version)
 
-    def open_pinned(self, uri: str, size: int, version: str) -> ObjectSource:
+    def resolve_direct(self, uri: str, direct: bool | str) -> bool:
+        """Objects are never read around a page cache."""
+        return False
+
+    def open_pinned(self, uri: str, size: int, version: str, *, direct: bool | str = False) -> ObjectSource:
         return ObjectSource(self, uri, size, version)
 
-    def range_target(self, source: ObjectSource) -> tuple[str, Mapping[str, str]]:
+    def range_target(self, source: ObjectSource) -> RangeTarget:
+        """Where redirects led, the precondition of the pinned version, and the header its answers must repeat
+        (servers that ignore ``If-Match`` still say which ETag they answer from)."""
         location = self._locations.get(source.uri, source.uri)
         if source.version.startswith(LAST_MODIFIED):
-            return location, {**self.headers, "If-Unmodified-Since": source.version[len(LAST_MODIFIED) :]}
-        return location, {**self.headers, "If-Match": source.version}
+            modified = source.version[len(LAST_MODIFIED) :]
+            return RangeTarget(location, {**self.headers, "If-Unmodified-Since": modified}, "Last-Modified", modified)
+        return RangeTarget(location, {**self.headers, "If-Match": source.version}, "ETag", source.version)
 
     def close(self) -> None:
         self.ranges.close()

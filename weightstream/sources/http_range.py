@@ -16,15 +16,18 @@ answer that is not the range asked for).
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
+import re
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from weightstream.errors import SourceChangedError, SourceError, WeightstreamError
+from weightstream.errors import SourceChangedError, SourceError, SourceTimeout, WeightstreamError
 from weightstream.sources.retry import RetryPolicy, Transient
 
 ERROR_BODY_BYTES = 2048
@@ -32,8 +35,24 @@ ERROR_BODY_BYTES = 2048
 Answer = TypeVar("Answer")
 
 PIECE_BYTES = 256 << 10
-"""A body is read this much at a time: a broken answer loses at most the piece being read
+"""A body is read at most this much at a time: a broken answer loses at most the piece being read
 (a buffered read that fails keeps no count of what it got), and resumes after the last whole piece."""
+MIN_RATE_BYTES_PER_S = 64 << 10
+"""A request whose body arrives slower than this over a whole stall timeout counts as stalled (and is
+retried): a server trickling a byte a second never trips a per-byte timeout."""
+CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,20})-([0-9]{1,20})/([0-9]{1,20}|\*)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeTarget:
+    """Where the ranges of one pinned object come from, and how an answer proves it is of that version."""
+
+    url: str
+    headers: Mapping[str, str]
+    version_header: str | None = None
+    """The answer header naming the version it holds (``ETag``, ``x-goog-generation``, ``Last-Modified``)."""
+    version: str | None = None
+    """What that header must say; an answer saying otherwise is of a replaced object."""
 
 
 class RangeClient:
@@ -52,36 +71,37 @@ class RangeClient:
         self._closed = False
         self._tls: ssl.SSLContext | None = None
 
-    def get_into(self, url: str, headers: Mapping[str, str], start: int, buffer: memoryview, received: list[int], span: str) -> None:
-        """GET bytes ``start + received[0]`` .. ``start + len(buffer)`` of ``url`` into ``buffer[received[0]:]``.
+    def get_into(self, target: RangeTarget, size: int, start: int, buffer: memoryview, received: list[int], span: str) -> None:
+        """GET bytes ``start + received[0]`` .. ``start + len(buffer)`` of ``target`` (an object of ``size``
+        bytes) into ``buffer[received[0]:]``.
 
         ``received[0]`` advances as bytes land. Raises :class:`Transient` for a failure worth another
-        attempt (the connection is dropped), :class:`SourceError` (or a subclass) otherwise.
+        attempt (the connection is dropped), :class:`SourceChangedError` for an answer of another version
+        or size, :class:`SourceTimeout` when the load's deadline passes, :class:`SourceError` otherwise.
         """
         first, last = start + received[0], start + len(buffer) - 1
 
-        def land(response: http.client.HTTPResponse) -> None:
+        def land(response: http.client.HTTPResponse, connection: http.client.HTTPConnection) -> None:
             if response.status != 206:
                 raise _refusal(response, span, first, last)
-            expected = f"bytes {first}-{last}/"
-            content_range = response.getheader("Content-Range", "")
-            if not content_range.startswith(expected):
-                raise SourceError(f"{span}: answered 206 with Content-Range {content_range or '(none)'}, expected {expected}...")
-            _read_body(response, buffer, received)
+            _check_range(response, span, first, last, size)
+            _check_version(response, span, target)
+            self._read_body(response, connection, buffer, received, span)
 
-        self._exchange("GET", url, {**headers, "Range": f"bytes={first}-{last}"}, land, lambda: f"after {received[0]} of {len(buffer)} bytes")
+        self._exchange("GET", target.url, {**target.headers, "Range": f"bytes={first}-{last}"}, land,
+                       lambda: f"after {received[0]} of {len(buffer)} bytes")
 
     def head(self, url: str, headers: Mapping[str, str]) -> http.client.HTTPResponse:
         """A HEAD request's answer (status and headers; no body), for ``http(s)://`` metadata."""
 
-        def finish(response: http.client.HTTPResponse) -> http.client.HTTPResponse:
+        def finish(response: http.client.HTTPResponse, connection: http.client.HTTPConnection) -> http.client.HTTPResponse:
             response.read()
             return response
 
         return self._exchange("HEAD", url, headers, finish, lambda: "before the answer")
 
-    def _exchange(self, method: str, url: str, headers: Mapping[str, str], handle: Callable[[http.client.HTTPResponse], Answer],
-                  where: Callable[[], str]) -> Answer:
+    def _exchange(self, method: str, url: str, headers: Mapping[str, str],
+                  handle: Callable[[http.client.HTTPResponse, http.client.HTTPConnection], Answer], where: Callable[[], str]) -> Answer:
         """Send one request on this thread's connection to the URL's origin and ``handle`` its answer.
 
         A stall or a broken connection becomes :class:`Transient` (``where()`` says how far it got);
@@ -94,16 +114,27 @@ class RangeClient:
             if connection.sock is not None:
                 connection.sock.settimeout(connection.timeout)
             connection.request(method, parts.path + (f"?{parts.query}" if parts.query else ""), headers=dict(headers))
-            return handle(connection.getresponse())
+            return handle(connection.getresponse(), connection)
         except (WeightstreamError, Transient):
             self._drop(connection)
             raise
         except (TimeoutError, socket.timeout):
             self._drop(connection)
             raise Transient(f"no byte for {connection.timeout:.1f} s {where()} (stalled)", stalled=True) from None
-        except (OSError, http.client.HTTPException) as error:
+        except ssl.SSLCertVerificationError as error:
+            self._drop(connection)
+            raise SourceError(f"{parts.scheme}://{parts.netloc}: TLS certificate verification failed: {error.verify_message}") from None
+        except socket.gaierror as error:
+            self._drop(connection)
+            if error.errno == socket.EAI_AGAIN:
+                raise Transient(f"name lookup of {parts.hostname} failed for now {where()}: {error.strerror}") from None
+            raise SourceError(f"{parts.hostname}: no such host ({error.strerror})") from None
+        except (OSError, http.client.IncompleteRead, http.client.RemoteDisconnected) as error:
             self._drop(connection)
             raise Transient(f"connection broke {where()}: {type(error).__name__}: {error}") from None
+        except http.client.HTTPException as error:
+            self._drop(connection)
+            raise SourceError(f"{parts.scheme}://{parts.netloc}: the answer is not valid HTTP {where()}: {type(error).__name__}: {error}") from None
         except BaseException:
             self._drop(connection)
             raise
@@ -146,14 +177,66 @@ class RangeClient:
         connection.close()
 
 
-def _read_body(response: http.client.HTTPResponse, buffer: memoryview, received: list[int]) -> None:
-    while received[0] < len(buffer):
-        count = response.readinto(buffer[received[0] : received[0] + PIECE_BYTES])
-        if not count:
-            raise Transient(f"short body: the answer ended after {received[0]} of {len(buffer)} bytes")
-        received[0] += count
-    if response.read(1):
-        raise SourceError("the answer carried more bytes than its range")
+    def _read_body(self, response: http.client.HTTPResponse, connection: http.client.HTTPConnection, buffer: memoryview,
+                   received: list[int], span: str) -> None:
+        """Read the body into ``buffer[received[0]:]``, each socket read straight into it; the load's deadline
+        is enforced between reads (and bounds each one), and so is the minimum rate (:data:`MIN_RATE_BYTES_PER_S`)."""
+        window_start, window_bytes = time.monotonic(), 0
+        while received[0] < len(buffer):
+            if self.policy.deadline is not None:
+                if time.monotonic() >= self.policy.deadline:
+                    raise SourceTimeout(f"{span}: the load's deadline passed after {received[0]} of {len(buffer)} bytes")
+                connection.sock.settimeout(self.policy.timeout())
+            count = _read_some(response, buffer[received[0] : received[0] + PIECE_BYTES])
+            if not count:
+                raise Transient(f"short body: the answer ended after {received[0]} of {len(buffer)} bytes")
+            received[0] += count
+            window_bytes += count
+            elapsed = time.monotonic() - window_start
+            if elapsed >= self.policy.request_timeout_s:
+                if window_bytes < MIN_RATE_BYTES_PER_S * elapsed:
+                    raise Transient(f"{window_bytes} bytes in {elapsed:.1f} s, below {MIN_RATE_BYTES_PER_S} bytes/s (stalled)", stalled=True)
+                window_start, window_bytes = time.monotonic(), 0
+        if response.read(1):
+            raise SourceError(f"{span}: the answer carried more bytes than its range")
+
+
+def _read_some(response: http.client.HTTPResponse, view: memoryview) -> int:
+    """Up to ``len(view)`` body bytes into ``view``, from at most one socket read (so a trickling server
+    cannot hold one call for long). ``HTTPResponse.readinto`` fills the whole view first; its own
+    bookkeeping (the bytes left, the connection released at the end) is kept here as it keeps it."""
+    if response.chunked or response.length is None or response.fp is None:
+        return response.readinto(view)
+    view = view[: response.length]
+    count = response.fp.readinto1(view)
+    if not count and view:
+        response._close_conn()  # what readinto does at a premature end
+    else:
+        response.length -= count
+        if not response.length:
+            response._close_conn()
+    return count
+
+
+def _check_range(response: http.client.HTTPResponse, span: str, first: int, last: int, size: int) -> None:
+    """The answer holds exactly bytes ``first..last`` of an object of ``size`` bytes (a total of ``*``: unknown, accepted)."""
+    content_range = response.getheader("Content-Range", "")
+    match = CONTENT_RANGE.fullmatch(content_range.strip())
+    if match is None or (int(match[1]), int(match[2])) != (first, last):
+        raise SourceError(f"{span}: answered 206 with Content-Range {content_range or '(none)'}, expected bytes {first}-{last}/{size}")
+    if match[3] != "*" and int(match[3]) != size:
+        raise SourceChangedError(f"{span}: the answer says the object has {match[3]} bytes, {size} when it was opened (replaced while loading)")
+
+
+def _check_version(response: http.client.HTTPResponse, span: str, target: RangeTarget) -> None:
+    """An answer that names its version must name the pinned one (a server may ignore ``If-Match``)."""
+    if target.version_header is None:
+        return
+    said = response.getheader(target.version_header)
+    if said is not None and said != target.version:
+        raise SourceChangedError(
+            f"{span}: the answer is of version {said} ({target.version_header}), {target.version} when it was opened (replaced while loading)"
+        )
 
 
 def _refusal(response: http.client.HTTPResponse, span: str, first: int, last: int) -> Exception:

@@ -3,6 +3,14 @@
 Direct reads skip the page cache: a cold load then pays for one fresh page per byte (the
 destination) instead of two (a page-cache page and the destination), and the device sees
 the whole queue of requests at once. A warm file is read buffered, from the page cache.
+
+Every file is pinned like an object in a store: its version is its identity (device, inode and
+modification time, with its size beside it) when its header was read. A file opened for the
+reads must still be that file, and still be unchanged when its reads are done; one replaced
+(``os.replace``) or rewritten in place between the plan and the reads raises
+:class:`SourceChangedError`, never a splice of two files. Only regular files are opened (a FIFO
+would block the plan forever; a device is no checkpoint). Symbolic links are followed: the
+Hugging Face cache links every snapshot file into its blob store.
 """
 
 from __future__ import annotations
@@ -12,8 +20,9 @@ import logging
 import os
 from typing import Literal, Union
 
-from weightstream.errors import NotFound, SourceError, TruncatedFileError
+from weightstream.errors import SourceChangedError, SourceError, TruncatedFileError
 from weightstream.sources.pagecache import resident_fraction
+from weightstream.sources.regular import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -33,24 +42,21 @@ class LocalFile:
     """
 
     def __init__(self, path: str, *, direct: bool = False) -> None:
-        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-        try:
-            self._fd = os.open(path, flags)
-        except FileNotFoundError:
-            raise NotFound(f"{path}: no such file") from None
-        except OSError as error:
-            raise SourceError(f"{path}: cannot open{' with O_DIRECT' if direct else ''}: {error.strerror}") from error
+        self._fd, status = open_regular(path, os.O_DIRECT if direct else 0)
         self.uri = path
         self.direct = direct
-        self.size = os.fstat(self._fd).st_size
+        self.size = status.st_size
+        self.version = identity(status)
+        """Device, inode and modification time when opened: what the reads are pinned to."""
 
     def read(self, offset: int, nbytes: int) -> bytes:
         buffer = bytearray(nbytes)
         self.read_into(offset, memoryview(buffer))
         return bytes(buffer)
 
-    version = None
-    """Local files are not versioned: size and the header are what a load checks."""
+    def verify_unchanged(self) -> None:
+        """Raise :class:`SourceChangedError` if the file was written (or truncated) since it was opened."""
+        check_identity(self.uri, self.size, self.version, os.fstat(self._fd))
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` from ``offset``. Bytes past the size the file had when opened are not
@@ -102,20 +108,66 @@ class LocalStore:
     def close(self) -> None:
         """Nothing to release: each file is closed by its reader."""
 
+    def open_pinned(self, uri: str, size: int, version: str, *, direct: DirectMode = False) -> LocalFile:
+        """Open ``uri`` as :meth:`open` does, and check it is still the file of ``size`` bytes and ``version`` planned."""
+        source = self.open(uri, direct=direct)
+        try:
+            check_identity(source.uri, size, version, os.fstat(source._fd))
+        except BaseException:
+            source.close()
+            raise
+        return source
+
     def open(self, uri: str, *, direct: DirectMode = False) -> LocalFile:
         """Open ``uri``; ``direct="auto"`` reads directly when the file is mostly not in the page cache."""
-        path = _path(uri)
+        return LocalFile(_path(uri), direct=self.resolve_direct(uri, direct))
+
+    def resolve_direct(self, uri: str, direct: DirectMode) -> bool:
+        """Whether reads of ``uri`` go around the page cache: ``direct`` itself, or for ``"auto"`` whether
+        the file is mostly not in the page cache (``mincore``) and its filesystem allows O_DIRECT."""
         if direct != "auto":
-            return LocalFile(path, direct=bool(direct))
+            return bool(direct)
+        path = _path(uri)
         if resident_fraction(path) >= DIRECT_BELOW_RESIDENCY:
-            return LocalFile(path)
+            return False
         try:
-            return LocalFile(path, direct=True)
+            fd, _ = open_regular(path, os.O_DIRECT)
         except SourceError as error:
             if not isinstance(error.__cause__, OSError) or error.__cause__.errno != errno.EINVAL:
                 raise
             log.info("%s: the filesystem refuses O_DIRECT; reading through the page cache", path)
-            return LocalFile(path)
+            return False
+        os.close(fd)
+        return True
+
+
+def identity(status: os.stat_result) -> str:
+    """A local file's version: ``dev:inode:mtime_ns`` (its size is checked beside it).
+
+    Example:
+        >>> identity(os.stat("/")).count(":")
+        2
+    """
+    return f"{status.st_dev}:{status.st_ino}:{status.st_mtime_ns}"
+
+
+def check_identity(path: str, planned_size: int, planned_version: str | None, status: os.stat_result) -> None:
+    """Raise :class:`SourceChangedError` unless ``status`` is of the file planned (size and identity)."""
+    if status.st_size != planned_size:
+        raise SourceChangedError(f"{path}: is {status.st_size} bytes now, {planned_size} when its header was read (it changed while loading)")
+    if planned_version is None:
+        return
+    now = identity(status)
+    if now == planned_version:
+        return
+    planned_device, planned_inode, planned_mtime = planned_version.split(":")
+    if (planned_device, planned_inode) != (str(status.st_dev), str(status.st_ino)):
+        raise SourceChangedError(
+            f"{path}: was replaced by another file (inode {planned_inode} -> {status.st_ino}) after its header was read; load again"
+        )
+    raise SourceChangedError(
+        f"{path}: was modified (mtime_ns {planned_mtime} -> {status.st_mtime_ns}) after its header was read; its bytes may not match the header"
+    )
 
 
 def _path(uri: str) -> str:

@@ -1,0 +1,112 @@
+"""A small real HTTP/1.1 server on 127.0.0.1 serving a directory with ranges and ETags, that can be told
+to misbehave the ways hostile or broken servers do: ignore ``If-Match``, trickle its bodies, claim
+another size in ``Content-Range`` or send a ``Content-Length`` that is not ASCII digits."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import http.server
+import os
+import re
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class Misbehaviour:
+    honour_if_match: bool = True
+    trickle_seconds_per_byte: float = 0.0
+    content_range_total: int | None = None
+    """Claim this total in every Content-Range instead of the file's size."""
+    content_length: str | None = None
+    """Send this Content-Length in HEAD answers instead of the file's size."""
+    virtual_size: int | None = None
+    """Serve every file as this many bytes: its own, then zeros (a server claiming a huge file)."""
+
+
+class RangeServer:
+    """``with RangeServer(root) as server: server.url``; ``server.misbehave`` may be changed at any time."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.misbehave = Misbehaviour()
+        self.requests: list[str] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self._answer(body=False)
+
+            def do_GET(self) -> None:
+                self._answer(body=True)
+
+            def _answer(self, body: bool) -> None:
+                outer.requests.append(f"{self.command} {self.path} {self.headers.get('Range')}")
+                path = outer.root / urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
+                if not path.is_file():
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = path.read_bytes()
+                etag = '"' + hashlib.sha256(data).hexdigest()[:16] + '"'
+                behaviour = outer.misbehave
+                wanted = self.headers.get("If-Match")
+                if wanted is not None and wanted != etag and behaviour.honour_if_match:
+                    self.send_response(412)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                size = behaviour.virtual_size or len(data)
+                ranged = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range") or "")
+                if ranged and body:
+                    first, last = int(ranged[1]), min(int(ranged[2]), size - 1)
+                    piece = data[first : last + 1].ljust(last + 1 - first, b"\0")
+                    self.send_response(206)
+                    total = behaviour.content_range_total if behaviour.content_range_total is not None else size
+                    self.send_header("Content-Range", f"bytes {first}-{last}/{total}")
+                else:
+                    piece = data if body else b""
+                    self.send_response(200)
+                self.send_header("ETag", etag)
+                length = str(len(piece)) if body else (behaviour.content_length if behaviour.content_length is not None else str(size))
+                self.send_header("Content-Length", length)
+                self.end_headers()
+                if not body:
+                    return
+                if behaviour.trickle_seconds_per_byte:
+                    for index in range(len(piece)):
+                        self.wfile.write(piece[index : index + 1])
+                        self.wfile.flush()
+                        time.sleep(behaviour.trickle_seconds_per_byte)
+                else:
+                    self.wfile.write(piece)
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="test-range-server", daemon=True)
+
+    def __enter__(self) -> RangeServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Atomically replace ``path`` with ``data`` (same name, new inode)."""
+    temporary = path.with_name(path.name + ".new")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)

@@ -1,0 +1,155 @@
+"""Objects in Google Cloud Storage: metadata through fsspec's gcsfs, tensor bytes through our own range
+client (:mod:`weightstream.sources.http_range`), straight into destination memory.
+
+Every object is pinned to the generation seen when it was opened: ranges are fetched from the
+download URL of that generation, so an object replaced mid-load fails its read (404 for the old
+generation) with :class:`SourceChangedError`, never a splice. Endpoint and credentials come from the
+standard variables (``STORAGE_EMULATOR_HOST``, ``GOOGLE_APPLICATION_CREDENTIALS``, ...) or from
+``storage_options``, passed to ``gcsfs.GCSFileSystem`` as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from weightstream.errors import NotFound, SourceError
+from weightstream.sources.backends import require
+from weightstream.sources.http_range import RangeClient, RangeTarget
+from weightstream.sources.objectstore import ObjectSource
+from weightstream.sources.retry import RetryPolicy, Transient
+
+VERSION_KEY = "generation"
+"""The field of an object's metadata that names its version."""
+GENERATION_HEADER = "x-goog-generation"
+"""The header of a download answer that names the generation it holds."""
+
+
+class GcsStore:
+    """Lists and opens objects under ``gs://bucket/prefix``.
+
+    Example:
+        >>> store = GcsStore({"token": "anon"})  # doctest: +SKIP
+        >>> store.open("gs://bench/model.safetensors").size  # doctest: +SKIP
+        4096
+    """
+
+    lists = True
+    scheme = "gs"
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> None:
+        require("gs", "fsspec", "gcsfs")
+        import fsspec
+
+        # gcsfs 2025+ probes the bucket type over gRPC unless told not to; against emulators every call then hangs.
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        # A filesystem of our own per store (not fsspec's shared instance), so that closing the store
+        # closes its connections: nothing of a load outlives it. Version-aware, so reads can pin a generation.
+        self.fs = fsspec.filesystem("gcs", **{"version_aware": True, **(storage_options or {}), "skip_instance_cache": True})
+        self.policy = policy or RetryPolicy()
+        self.ranges = RangeClient(self.policy)
+        self._listed: dict[str, dict] = {}
+        """URI -> its entry in a listing this store made (a load's snapshot; reads stay pinned to its generations)."""
+
+    def is_dir(self, uri: str) -> bool:
+        listed = self._listed.get(uri.rstrip("/"))
+        if listed is not None:
+            return listed.get("type") == "directory"
+        return self._call(uri, self.fs.isdir, self._key(uri))
+
+    def exists(self, uri: str) -> bool:
+        return uri.rstrip("/") in self._listed or self._call(uri, self.fs.exists, self._key(uri))
+
+    def list_names(self, uri: str) -> list[str]:
+        """The entries of prefix ``uri``; what the listing says of each (type, size, generation) answers
+        later questions about them in this store without another request."""
+        entries = self._call(uri, self.fs.ls, self._key(uri), detail=True, refresh=True)
+        names = []
+        for entry in entries:
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            self._listed[self.join(uri, name)] = entry
+            names.append(name)
+        return sorted(names)
+
+    def join(self, directory: str, name: str) -> str:
+        return directory.rstrip("/") + "/" + name
+
+    def open(self, uri: str, *, direct: bool | str = False) -> ObjectSource:
+        """Open ``uri`` at its current generation (``direct`` has no meaning for objects and is ignored)."""
+        info = self._listed.get(uri.rstrip("/"))
+        if info is None or not info.get(VERSION_KEY):
+            info = self._call(uri, self.fs.info, self._key(uri), refresh=True)
+        if info.get("type") == "directory":
+            raise NotFound(f"{uri}: is a prefix, not an object")
+        if not info.get(VERSION_KEY):
+            raise SourceError(f"{uri}: the store gave no {VERSION_KEY}, so reads cannot be pinned to one version")
+        return ObjectSource(self, uri, int(info["size"]), str(info[VERSION_KEY]))
+
+    def resolve_direct(self, uri: str, direct: bool | str) -> bool:
+        """Objects are never read around a page cache."""
+        return False
+
+    def open_pinned(self, uri: str, size: int, version: str, *, direct: bool | str = False) -> ObjectSource:
+        return ObjectSource(self, uri, size, version)
+
+    def range_target(self, source: ObjectSource) -> RangeTarget:
+        """The download URL of the pinned generation; its answers must name that generation."""
+        url = self.fs.url(self._key(source.uri), generation=source.version)
+        return RangeTarget(url, self.fs._get_headers({}), GENERATION_HEADER, source.version)
+
+    def close(self) -> None:
+        """Close this store's connections (range requests and the fsspec session); idempotent."""
+        from fsspec.asyn import sync
+
+        self.ranges.close()
+        session = getattr(self.fs, "_session", None)
+        if session is not None and not session.closed:
+            sync(self.fs.loop, session.close)
+
+    def _key(self, uri: str) -> str:
+        return uri.split("://", 1)[1]
+
+    def _call(self, uri: str, function: Any, *args: Any, **kwargs: Any) -> Any:
+        """A metadata call (info, ls, ...), retried like ranges; each attempt bounded by the stall timeout."""
+
+        def attempt() -> Any:
+            try:
+                return function(*args, timeout=self.policy.timeout(), **kwargs)  # fsspec's sync() takes `timeout`
+            except Exception as error:  # noqa: BLE001 - classified: what is not the store's or the network's is raised as it is
+                raise classify(uri, error, self.policy.timeout()) from None
+
+        return self.policy.run(uri, attempt)
+
+
+def classify(uri: str, error: Exception, timeout: float) -> Exception:
+    """The error to raise (or :class:`Transient` to retry) for ``error`` from a gcsfs call on ``uri``.
+
+    Transient: a 5xx, 408/429, a timeout, a broken connection. Not found and access denied are final;
+    anything that is neither the store's nor the network's (a ``TypeError``: a programming error) is
+    returned unchanged, never retried.
+
+    Example:
+        >>> classify("gs://b/k", TypeError("unexpected keyword"), 30.0)
+        TypeError('unexpected keyword')
+    """
+    import aiohttp
+    from fsspec.exceptions import FSTimeoutError
+
+    if isinstance(error, FileNotFoundError):
+        return NotFound(f"{uri}: no such object")
+    if isinstance(error, PermissionError):
+        return SourceError(f"{uri}: access denied: {error}")
+    if isinstance(error, (FSTimeoutError, asyncio.TimeoutError, TimeoutError)):
+        return Transient(f"no answer for {timeout:.1f} s (stalled)", stalled=True)
+    status = getattr(error, "code", None)
+    if isinstance(status, int):  # gcsfs's HttpError
+        if status >= 500 or status in (408, 429):
+            return Transient(f"HTTP {status}: {error}")
+        if status in (401, 403):
+            return SourceError(f"{uri}: access denied (HTTP {status}): {error}")
+        return SourceError(f"{uri}: HTTP {status}: {error}")
+    if isinstance(error, (ConnectionError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
+        return Transient(f"{type(error).__name__}: {error}")
+    return error
