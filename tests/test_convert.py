@@ -4,6 +4,7 @@ re-assemble into the source bit for bit; rules, refusals, and the CLI."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,56 @@ def test_the_cli_converts_and_reports(tmp_path: Path):
     assert same_bits(reassembled(tmp_path / "tp", 2), state)
     refused = subprocess.run([*command[:6], "--to", "layered", "--tp", "2"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert refused.returncode == 1 and "the one conversion is to sharded-state" in refused.stderr
+
+
+def write_config(directory: Path, heads: int, kv_heads: int) -> None:
+    (directory / "config.json").write_text(json.dumps({"num_attention_heads": heads, "num_key_value_heads": kv_heads}))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_naming_fuses_projections_and_pads_the_vocabulary(tmp_path: Path, tp, no_leaks):
+    shape = LlamaShape(hidden=128, intermediate=256, layers=2, vocab=500)
+    state = llama_state_dict(shape, seed=3)
+    source = save_hf_sharded(state, tmp_path / "hf", shards=2)
+    write_config(source, heads=4, kv_heads=2)
+    result = convert_to_sharded_state(source, tmp_path / "tp", tp=tp, engine="vllm")
+    assert result["engine"] == "vllm"
+    padded = 512  # 500 rows padded to a multiple of 64
+    for rank in range(tp):
+        loaded = weightstream.load_weights(tmp_path / "tp", format="sharded-state", rank=rank, world_size=tp)
+        assert not [name for name in loaded if re.search(r"\.(q|k|v|gate|up)_proj\.", name)]
+        for layer in range(shape.layers):
+            prefix = f"model.layers.{layer}."
+            parts = [state[f"{prefix}self_attn.{p}_proj.weight"].chunk(tp)[rank] for p in ("q", "k", "v")]
+            assert torch.equal(loaded[f"{prefix}self_attn.qkv_proj.weight"], torch.cat(parts))
+            parts = [state[f"{prefix}mlp.{p}_proj.weight"].chunk(tp)[rank] for p in ("gate", "up")]
+            assert torch.equal(loaded[f"{prefix}mlp.gate_up_proj.weight"], torch.cat(parts))
+            assert torch.equal(loaded[f"{prefix}self_attn.o_proj.weight"], state[f"{prefix}self_attn.o_proj.weight"].chunk(tp, dim=1)[rank])
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows = padded // tp
+            full = torch.cat([state[name], torch.zeros(padded - 500, shape.hidden, dtype=state[name].dtype)])
+            assert torch.equal(loaded[name], full[rank * rows : (rank + 1) * rows])
+        assert torch.equal(loaded["model.norm.weight"], state["model.norm.weight"])
+
+
+def test_engine_naming_needs_heads_that_divide(tmp_path: Path, no_leaks):
+    state = llama_state_dict(LlamaShape(hidden=128, intermediate=256, layers=1, vocab=512))
+    source = save_hf_sharded(state, tmp_path / "hf", shards=1)
+    with pytest.raises(weightstream.InvalidOptionError, match=r"--engine needs the model's config.json beside the checkpoint"):
+        convert_to_sharded_state(source, tmp_path / "tp", tp=2, engine="sglang")
+    write_config(source, heads=4, kv_heads=1)
+    with pytest.raises(weightstream.InvalidOptionError, match=r"config.json: 1 key-value heads do not divide by tp=2 \(the engines would replicate them"):
+        convert_to_sharded_state(source, tmp_path / "tp", tp=2, engine="sglang")
+    with pytest.raises(weightstream.InvalidOptionError, match=r"engine must be one of vllm, sglang"):
+        convert_to_sharded_state(source, tmp_path / "tp", tp=1, engine="trt")
+    assert not (tmp_path / "tp").exists()
+
+
+def test_a_fused_parameter_missing_a_part_is_refused_before_writing(tmp_path: Path, no_leaks):
+    state = llama_state_dict(LlamaShape(hidden=128, intermediate=256, layers=1, vocab=512))
+    del state["model.layers.0.self_attn.v_proj.weight"]
+    source = save_hf_sharded(state, tmp_path / "hf", shards=1)
+    write_config(source, heads=4, kv_heads=2)
+    with pytest.raises(weightstream.InvalidOptionError, match=r"model.layers.0.self_attn.qkv_proj.weight fuses q_proj, k_proj, v_proj, but the checkpoint has no v_proj"):
+        convert_to_sharded_state(source, tmp_path / "tp", tp=2, engine="vllm")
+    assert not (tmp_path / "tp").exists()

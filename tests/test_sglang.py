@@ -18,6 +18,19 @@ ENGINE_TIMEOUT = 600
 FORMATS = ["weightstream", "weightstream-distributed", "weightstream-layered", "weightstream-safetensors", "weightstream-sharded-state", "weightstream-streaming"]
 
 
+def converted(model: Path, directory: Path) -> Path:
+    """``weightstream convert --engine sglang --tp 1`` of ``model``, its config beside it (SGLang runs a CPU rank of one)."""
+    import shutil
+
+    from weightstream.save.convert import convert_to_sharded_state
+
+    convert_to_sharded_state(model, directory, tp=1, engine="sglang")
+    for path in model.glob("*.json"):
+        if path.name != "model.safetensors.index.json":
+            shutil.copy(path, directory / path.name)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
     """Every case in one SGLang process: each case's result, and the paths used."""
@@ -32,6 +45,7 @@ def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
     subprocess.run([python, "-m", "tests.engine_model", str(model)], cwd=ROOT, check=True, capture_output=True, timeout=ENGINE_TIMEOUT)
     paths = {"model": model, "ours": work / "state-ours", "sglangs": work / "state-sglang", "headless": variant(model, work / "headless", without_head)}
     s3_uri = upload("s3", model, f"sglang-{work.name}")
+    paths["converted"] = converted(model, work / "converted-tp1")
     cli = ["--model-path", str(model), "--device", "cpu"]
     request = {
         "model": str(model),
@@ -54,6 +68,8 @@ def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
             "sharded-state-ours": {"model": str(paths["ours"]), "load_format": "weightstream-sharded-state", "extra": {"verify": True}},
             "sharded-state-sglangs": {"model": str(paths["sglangs"]), "load_format": "weightstream-sharded-state"},
             "sglang-loads-ours": {"model": str(paths["ours"]), "load_format": "sharded_state"},
+            "converted": {"model": str(paths["converted"]), "load_format": "weightstream-sharded-state"},
+            "sglang-loads-converted": {"model": str(paths["converted"]), "load_format": "sharded_state"},
             "altered": {"model": str(variant(model, work / "altered", altered)), "load_format": "weightstream"},
             "altered-layered": {"model": str(work / "altered"), "load_format": "weightstream-layered"},
             "headless-auto": {"model": str(paths["headless"]), "load_format": "auto"},
@@ -114,6 +130,13 @@ def test_sharded_state_both_ways_with_sglangs_own(sglang):
     for name in ("sharded-state-ours", "sharded-state-sglangs", "sglang-loads-ours"):
         assert results[name].get("differ") == [], (name, results[name])
     assert results["sharded-state-ours"]["loader"] == "WeightstreamModelLoader_weightstream_sharded_state"
+
+
+@pytest.mark.slow
+def test_a_converted_checkpoint_fills_sglangs_llama_as_auto_does(sglang):
+    results, _ = sglang
+    for name in ("converted", "sglang-loads-converted"):
+        assert results[name].get("differ") == [] and results[name]["names"] == results["auto"]["names"], (name, results[name])
 
 
 @pytest.mark.slow

@@ -31,12 +31,23 @@ def vllm(tmp_path_factory) -> tuple[str, Path]:
     return python, model
 
 
-def generate(python: str, cases: list[dict]) -> list[dict]:
-    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+def generate(python: str, cases: list[dict], environment: dict[str, str] | None = None) -> list[dict]:
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(environment or {})}
     result = subprocess.run([python, "-m", "tests.vllm_generate", json.dumps(cases)], check=False, cwd=ROOT, env=environment,
                             capture_output=True, text=True, timeout=ENGINE_TIMEOUT)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def converted(model: Path, directory: Path, tp: int) -> Path:
+    """``weightstream convert --engine vllm`` of ``model`` for ``tp`` ranks, its config beside it."""
+    from weightstream.save.convert import convert_to_sharded_state
+
+    convert_to_sharded_state(model, directory, tp=tp, engine="vllm")
+    for path in model.glob("*.json"):
+        if path.name != "model.safetensors.index.json":
+            shutil.copy(path, directory / path.name)
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +55,7 @@ def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], di
     """Every case in one engine process, one engine after another (imports once): each case's result, and the paths used."""
     from tests.engine_model import altered, variant, without_head
     from tests.test_objectstore import upload
+    from weightstream.save.convert import convert_to_sharded_state
 
     python, model = vllm
     work = tmp_path_factory.mktemp("vllm-cases")
@@ -52,6 +64,10 @@ def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], di
     for path in model.glob("*.json"):
         shutil.copy(path, paths["state"] / path.name)
     s3_uri = upload("s3", model, f"vllm-{work.name}")
+    paths["converted"] = converted(model, work / "converted-tp1", tp=1)
+    paths["hf-names"] = work / "hf-names-tp1"
+    convert_to_sharded_state(model, paths["hf-names"], tp=1)
+    shutil.copy(model / "config.json", paths["hf-names"] / "config.json")
     cases = {
         "auto": {"model": str(model), "load_format": "auto", "save_sharded": str(paths["served-state"])},
         "weightstream": {"model": str(model), "load_format": "weightstream", "extra": {"save_sharded_state": str(paths["state"])}},
@@ -62,6 +78,9 @@ def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], di
         "streaming-s3": {"model": str(model), "load_format": "weightstream-streaming", "extra": {"uri": s3_uri, "max_inflight_bytes": 1 << 20, "chunk_bytes": 256 << 10}},
         "sharded-state": {"model": str(paths["state"]), "load_format": "weightstream-sharded-state", "extra": {"verify": True}},
         "vllm-sharded-state": {"model": str(paths["state"]), "load_format": "sharded_state"},
+        "converted": {"model": str(paths["converted"]), "load_format": "weightstream-sharded-state"},
+        "converted-vllm-own": {"model": str(paths["converted"]), "load_format": "sharded_state"},
+        "converted-hf-names": {"model": str(paths["hf-names"]), "load_format": "weightstream-sharded-state"},
         "altered": {"model": str(variant(model, work / "altered", altered)), "load_format": "weightstream"},
         "headless-auto": {"model": str(paths["headless"]), "load_format": "auto"},
         "headless": {"model": str(paths["headless"]), "load_format": "weightstream"},
@@ -93,6 +112,44 @@ def test_a_sharded_state_saved_at_load_loads_with_ours_and_vllms_own(in_process)
     assert (paths["state"] / "weightstream-manifest-rank-0.json").exists() and (paths["state"] / "model-rank-0-part-0.safetensors").exists()
     assert results["sharded-state"].get("tokens") == results["auto"]["tokens"], results["sharded-state"]
     assert results["vllm-sharded-state"].get("tokens") == results["auto"]["tokens"], results["vllm-sharded-state"]
+
+
+@pytest.mark.slow
+def test_a_converted_checkpoint_gives_the_tokens_of_auto_and_is_the_state_vllm_saves(in_process):
+    import torch
+
+    import weightstream
+
+    results, paths = in_process
+    assert results["converted"].get("tokens") == results["auto"]["tokens"], results["converted"]
+    assert results["converted-vllm-own"].get("tokens") == results["auto"]["tokens"], results["converted-vllm-own"]
+    error = results["converted-hf-names"]["error"]  # without --engine: the names the issue found no engine has
+    assert error[0] == "WeightsMismatchError" and re.search(r"tensor 'model\.layers\.0\.(self_attn\.[qkv]|mlp\.(gate|up))_proj\.weight' of rank 0 is not a parameter of the model", error[1]), error
+    ours = weightstream.load_weights(paths["converted"], format="sharded-state")
+    saved_by_vllm = weightstream.load_weights(paths["state"], format="sharded-state")
+    assert sorted(ours) == sorted(saved_by_vllm)
+    assert all(torch.equal(ours[name], saved_by_vllm[name]) for name in ours)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel CPU workers need two cores to bind to")
+def test_a_checkpoint_converted_for_two_ranks_gives_the_tokens_of_auto_at_tp2(vllm, tmp_path: Path):
+    python, model = vllm
+    from weightstream.save.convert import convert_to_sharded_state
+
+    state = converted(model, tmp_path / "converted-tp2", tp=2)
+    hf_names = tmp_path / "hf-names-tp2"  # the converter without --engine: the checkpoint's names, which no engine has
+    convert_to_sharded_state(model, hf_names, tp=2)
+    shutil.copy(model / "config.json", hf_names / "config.json")
+    cases = [{"model": str(model), "load_format": "auto", "tp": 2},
+             {"model": str(state), "load_format": "weightstream-sharded-state", "tp": 2},
+             {"model": str(state), "load_format": "sharded_state", "tp": 2},
+             {"model": str(hf_names), "load_format": "weightstream-sharded-state", "tp": 2}]
+    auto, ours, vllms_own, unfused = generate(python, cases, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # one worker per core
+    assert auto.get("tokens") and len({token for prompt in auto["tokens"] for token in prompt}) > 8, auto
+    assert ours.get("tokens") == auto["tokens"], ours
+    assert vllms_own.get("tokens") == auto["tokens"], vllms_own
+    assert "tokens" not in unfused and "WorkerProc initialization failed" in unfused["error"][1], unfused  # the worker's error: at TP 1 below
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 Run with the vLLM test environment's interpreter. ``CASES_JSON`` is a list of cases, run in order
 in this one process (one engine at a time): ``{"model": DIR, "load_format": NAME, "extra": {...}}``,
 optionally ``"save_sharded": DIR`` (save the loaded model with ``weightstream.engines.vllm``'s
-helper) and ``"cold": true`` (the model's files dropped from the page cache first). Run with
+helper), ``"cold": true`` (the model's files dropped from the page cache first) and ``"tp": N``
+(N tensor-parallel worker processes; the CPU backend needs ``VLLM_CPU_OMP_THREADS_BIND`` then). Run with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: each engine in this process. Prints one JSON line: a result
 per case, ``{"tokens": [[...], ...], "said": [...]}`` (what the adapters logged) or ``{"error": [type, message]}``.
 """
@@ -30,8 +31,9 @@ def generate(case: dict) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     try:
+        parallel = {"tensor_parallel_size": case["tp"], "distributed_executor_backend": "mp"} if case.get("tp", 1) > 1 else {}
         llm = LLM(model=case["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0,
-                  kv_cache_memory_bytes=64 << 20, load_format=case["load_format"], model_loader_extra_config=case.get("extra") or {})
+                  kv_cache_memory_bytes=64 << 20, load_format=case["load_format"], model_loader_extra_config=case.get("extra") or {}, **parallel)
     except Exception as error:  # noqa: BLE001 - the test asserts on it
         root = error
         while root.__cause__ is not None:

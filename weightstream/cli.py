@@ -3,7 +3,7 @@
     weightstream inspect URI [--json]
     weightstream load URI [--json] [--format F] [--device cuda] [--pin-memory] [--threads N] [--chunk-mib M] [--prefetch-layers N] [--filter NAME ...]
     weightstream bench [URI] [--device cuda] [--size 1GiB] [--layers N] [--rounds 3] [--json] [--plot bench.png]
-    weightstream convert SRC DST --to sharded-state --tp N [--rule PATTERN=DIM ...] [--max-file-mib M] [--json]
+    weightstream convert SRC DST --to sharded-state --tp N [--engine vllm|sglang] [--rule PATTERN=DIM ...] [--max-file-mib M] [--json]
 """
 
 from __future__ import annotations
@@ -162,10 +162,10 @@ def _convert(args: argparse.Namespace) -> int:
     total = sum(spec.nbytes * (1 if split_dimension(spec.name, spec.shape, args.tp, rules) is not None else args.tp) for spec in plan.tensors)
     with contextlib.nullcontext() if bar is None else bar.expecting(total):
         result = convert_to_sharded_state(args.src, args.dst, tp=args.tp, rules=rules, max_file_bytes=args.max_file_mib << 20,
-                                          progress=None if bar is None else bar.advance)
+                                          progress=None if bar is None else bar.advance, engine=args.engine)
     seconds = time.perf_counter() - start
     replicated = sorted(name for name, dimension in result["split"].items() if dimension is None)
-    summary = {"src": args.src, "dst": args.dst, "tp": args.tp, "files": result["files"], "seconds": seconds, "replicated": replicated}
+    summary = {"src": args.src, "dst": args.dst, "tp": args.tp, "engine": args.engine, "files": result["files"], "seconds": seconds, "replicated": replicated}
     return _report(args.json, summary, f"wrote {len(result['files'])} files for {args.tp} ranks into {args.dst} in {seconds:.2f} s "
                                        f"({len(result['split']) - len(replicated)} tensors split, {len(replicated)} replicated)")
 
@@ -219,6 +219,9 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--tp", type=int, required=True, help="tensor-parallel ranks")
     convert.add_argument("--rule", action="append", metavar="PATTERN=DIM", help="a split rule tried before the Llama ones (DIM or 'replicate'); repeatable")
     convert.add_argument("--max-file-mib", type=int, default=5 << 10, help="largest part file in MiB (default 5120)")
+    convert.add_argument("--engine", choices=("vllm", "sglang"), default=None,
+                         help="save in the engine's naming (fused qkv_proj/gate_up_proj, padded vocabulary), for its --load-format "
+                              "sharded_state or weightstream-sharded-state; default: the checkpoint's names")
     convert.add_argument("--json", action="store_true")
     convert.set_defaults(run=_convert)
     return parser

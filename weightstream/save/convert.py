@@ -25,6 +25,7 @@ import torch
 
 from weightstream.api import load_weights
 from weightstream.errors import InvalidOptionError
+from weightstream.save import engine_naming
 from weightstream.save.saver import DEFAULT_MAX_FILE_BYTES, save_sharded_state
 from weightstream.sources import REMOTE_SCHEMES
 
@@ -74,12 +75,17 @@ def convert_to_sharded_state(
     rules: Sequence[SplitRule] = LLAMA_RULES,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     progress: Callable[[int], None] | None = None,
+    engine: str | None = None,
 ) -> dict[str, object]:
     """Split the checkpoint at ``source`` for ``tp`` tensor-parallel ranks and save each rank's
     state in ``destination`` (atomically, manifest last, as :func:`save_sharded_state`).
 
     Every split is checked before a byte is written. Local sources are read as file mappings
-    (``zero_copy``), so the conversion needs no memory of its own for the source.
+    (``zero_copy``), so the conversion needs no memory of its own for the source. With ``engine``
+    (``"vllm"`` or ``"sglang"``) each rank is saved in that engine's naming
+    (:mod:`weightstream.save.engine_naming`: fused ``qkv_proj`` and ``gate_up_proj``, the vocabulary
+    padded), which the engines' ``sharded_state`` loaders (and ``weightstream-sharded-state``) read;
+    without, the tensors keep the checkpoint's names.
 
     Returns:
         ``{"tp": tp, "files": [...], "split": {name: dimension or None}}``.
@@ -89,15 +95,25 @@ def convert_to_sharded_state(
     """
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise InvalidOptionError(f"tp must be a positive integer, got {tp!r}")
+    if engine is not None and engine not in engine_naming.ENGINES:
+        raise InvalidOptionError(f"engine must be one of {', '.join(engine_naming.ENGINES)} (or None for the checkpoint's names), got {engine!r}")
     source = os.fspath(source)
     mapped = not source.startswith(REMOTE_SCHEMES)
+    if engine is not None:
+        if not mapped:
+            raise InvalidOptionError(f"{source}: engine naming reads the model's config.json beside a local checkpoint")
+        engine_naming.check_heads(source, tp)
     weights = load_weights(source, zero_copy=mapped)
+    if engine is not None:
+        weights = engine_naming.pad_vocabulary(weights)
     split = {name: split_dimension(name, tuple(tensor.shape), tp, rules) for name, tensor in weights.items()}
+    states = [{name: _slice(tensor, split[name], tp, rank) for name, tensor in weights.items()} for rank in range(tp)]
+    if engine is not None:
+        states = [engine_naming.engine_state(state, engine) for state in states]  # checked for every rank before a byte is written
     files = []
-    for rank in range(tp):
-        state = {name: _slice(tensor, split[name], tp, rank) for name, tensor in weights.items()}
+    for rank, state in enumerate(states):
         files += save_sharded_state(state, destination, rank=rank, world_size=tp, max_file_bytes=max_file_bytes, progress=progress)
-    return {"tp": tp, "files": files, "split": split}
+    return {"tp": tp, "files": files, "split": split, "engine": engine}
 
 
 def _slice(tensor: torch.Tensor, dimension: int | None, tp: int, rank: int) -> torch.Tensor:

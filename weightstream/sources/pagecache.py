@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 
 from weightstream.errors import SourceError
 from weightstream.sources.regular import open_regular
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the C library the interpreter already links (find_library spawns ldconfig: 3 ms)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

