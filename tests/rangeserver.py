@@ -25,15 +25,19 @@ class Misbehaviour:
     """Send this Content-Length in HEAD answers instead of the file's size."""
     virtual_size: int | None = None
     """Serve every file as this many bytes: its own, then zeros (a server claiming a huge file)."""
+    redirect_to: str | None = None
+    """Answer every request with ``302 Location: <redirect_to><path>`` (a Hub sending its clients to a CDN)."""
 
 
 class RangeServer:
     """``with RangeServer(root) as server: server.url``; ``server.misbehave`` may be changed at any time."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, host: str = "127.0.0.1") -> None:
         self.root = root
         self.misbehave = Misbehaviour()
         self.requests: list[str] = []
+        self.authorizations: list[str | None] = []
+        """The ``Authorization`` header of every request, in order."""
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -50,6 +54,13 @@ class RangeServer:
 
             def _answer(self, body: bool) -> None:
                 outer.requests.append(f"{self.command} {self.path} {self.headers.get('Range')}")
+                outer.authorizations.append(self.headers.get("Authorization"))
+                if outer.misbehave.redirect_to is not None:
+                    self.send_response(302)
+                    self.send_header("Location", outer.misbehave.redirect_to + self.path)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 path = outer.root / urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
                 if not path.is_file():
                     self.send_response(404)
@@ -90,9 +101,9 @@ class RangeServer:
                 else:
                     self.wfile.write(piece)
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = http.server.ThreadingHTTPServer((host, 0), Handler)
         self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.url = f"http://{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="test-range-server", daemon=True)
 
     def __enter__(self) -> RangeServer:

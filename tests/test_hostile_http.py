@@ -128,3 +128,33 @@ def test_a_replaced_file_is_never_served_by_a_server_that_honours_if_match(check
 
     with pytest.raises(weightstream.SourceChangedError, match=r"HTTP 412: the object no longer matches the version planned"):
         weightstream.load_weights(server.url, chunk_bytes=64 << 10, threads=1, progress=replace_after_first_read)
+
+
+def test_credentials_never_follow_a_redirect_to_another_host(tmp_path: Path, no_leaks):
+    """A Hub answering 302 to a CDN (two loopback hosts): the token reaches the Hub, never the CDN."""
+    state = llama_state_dict(SHAPE, seed=4)
+    root = save_hf_sharded(state, tmp_path / "root", shards=2)
+    with RangeServer(root, host="127.0.0.2") as cdn, RangeServer(root) as hub:
+        hub.misbehave.redirect_to = cdn.url
+        loaded = weightstream.load_weights(hub.url, storage_options={"headers": {"Authorization": "Bearer hub-secret", "X-Trace": "1"}})
+        assert_same(loaded, state)
+        assert hub.authorizations and set(hub.authorizations) == {"Bearer hub-secret"}
+        assert cdn.authorizations and set(cdn.authorizations) == {None}, "the token went to the CDN"
+        assert any(line.startswith("GET ") for line in cdn.requests), "the tensor bytes came from the CDN"
+
+
+@pytest.mark.parametrize(
+    ("location", "kept"),
+    [("https://hub.example/other/path", True), ("https://hub.example:443/x", True), ("https://HUB.example/x", True),
+     ("https://cdn.example/x", False), ("https://hub.example:8443/x", False), ("http://hub.example/x", False)],
+)
+def test_which_redirects_keep_the_credentials(location, kept):
+    from weightstream.sources.http import HttpStore
+
+    store = HttpStore({"headers": {"Authorization": "Bearer t", "Cookie": "c", "Proxy-Authorization": "p", "Accept": "*/*"}})
+    try:
+        headers = store.headers_for("https://hub.example/m.safetensors", location)
+        assert headers == ({"Authorization": "Bearer t", "Cookie": "c", "Proxy-Authorization": "p", "Accept": "*/*"} if kept else {"Accept": "*/*"})
+        assert "Authorization" in store.headers_for("http://hub.example/m.safetensors", "https://hub.example/m.safetensors")  # an upgrade
+    finally:
+        store.close()

@@ -289,6 +289,21 @@ def test_a_quantizing_hook_frees_the_buffer_so_its_results_can_all_be_kept(tmp_p
     assert torch.allclose(up.float() * scale, state["model.layers.3.mlp.up_proj.weight"].float(), atol=float(scale))
 
 
+def test_load_weights_returns_what_the_hook_returns(tmp_path: Path, no_leaks):
+    state, uri = llama(tmp_path)
+
+    def quantize_and_rename(key: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        result = {}
+        for name, tensor in tensors.items():
+            result[name.replace("model.", "decoder.", 1)] = tensor.clone()
+            result[name + "_scale"] = torch.ones(())
+        return result
+
+    loaded = weightstream.load_weights(uri, format="layered", layer_hook=quantize_and_rename)
+    assert sorted(loaded) == sorted([name.replace("model.", "decoder.", 1) for name in state] + [name + "_scale" for name in state])
+    assert torch.equal(loaded["decoder.layers.1.mlp.up_proj.weight"], state["model.layers.1.mlp.up_proj.weight"])
+
+
 @pytest.mark.parametrize(
     ("result", "message"),
     [([1, 2], r"layer_hook returned list for layer 'model.embed_tokens'; it must return a mapping"), ({"w": 1}, r"returned str -> int for layer")],

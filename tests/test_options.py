@@ -103,3 +103,10 @@ def test_devices_weightstream_cannot_land_on_are_refused_not_loaded_to_the_cpu(d
 def test_there_is_one_cpu(tmp_path):
     with pytest.raises(InvalidOptionError, match=r"device 'cpu:1': there is one CPU device, 'cpu'"):
         weightstream.load_weights(str(tmp_path), device="cpu:1")
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(1, 8), (4, 8), (16, 32), (32, 64), (192, 64)])
+def test_default_threads_are_twice_the_cpus_within_8_and_64(monkeypatch, cpus, threads):
+    monkeypatch.setattr("os.cpu_count", lambda: cpus)
+    assert LoadOptions().reader_threads == threads
+    assert LoadOptions(threads=300).reader_threads == 300  # what the caller asks for is theirs

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from weightstream.errors import OptionError
+from weightstream.errors import OptionError, TensorNotFound
 from weightstream.loaders.base import Loader
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan
@@ -108,8 +108,10 @@ def iter_layers(uri: str | os.PathLike[str], **options: Any) -> Iterator[tuple[s
 def load_weights(uri: str | os.PathLike[str], format: str = AUTO, device: str = "cpu", **options: Any) -> dict[str, torch.Tensor]:
     """Load every (selected) tensor: all of them, or an error and none.
 
-    The dict is ordered as the tensors are stored (file by file, by offset). A loader that reuses
-    its memory (``layered``) is asked for copies (``copy_layers=True``), since every tensor is kept.
+    The dict is ordered as the tensors are stored (file by file, by offset); with a ``layer_hook`` it
+    holds what the hook returned (tensors it added, such as quantization scales, after the stored
+    ones; tensors it renamed or dropped, as it left them). A loader that reuses its memory
+    (``layered``) is asked for copies (``copy_layers=True``), since every tensor is kept.
 
     Example:
         >>> weights = load_weights("model.safetensors")  # doctest: +SKIP
@@ -126,4 +128,16 @@ def load_weights(uri: str | os.PathLike[str], format: str = AUTO, device: str = 
     except BaseException:
         loaded.clear()  # a traceback keeps this frame alive; the memory must not wait for it
         raise
-    return {spec.name: loaded[spec.name] for spec in plan.tensors}
+    return _in_stored_order(loaded, plan, opts, loader.name)
+
+
+def _in_stored_order(loaded: dict[str, torch.Tensor], plan: LoadPlan, opts: LoadOptions, loader: str) -> dict[str, torch.Tensor]:
+    """``loaded`` in the plan's order, then what a ``layer_hook`` added (or renamed) in the order it came.
+
+    Without a hook every planned tensor must be there: one missing is a loader's failure, not a result."""
+    ordered = {spec.name: loaded[spec.name] for spec in plan.tensors if spec.name in loaded}
+    if opts.layer_hook is None and len(ordered) < len(plan.tensors):
+        missing = next(spec.name for spec in plan.tensors if spec.name not in loaded)
+        raise TensorNotFound(f"{plan.uri}: the {loader} loader ended without yielding tensor {missing!r}")
+    ordered.update((name, tensor) for name, tensor in loaded.items() if name not in ordered)
+    return ordered

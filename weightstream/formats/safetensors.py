@@ -23,6 +23,8 @@ MAX_HEADER_BYTES = 100_000_000
 """The reference implementation's limit on the JSON header."""
 METADATA_KEY = "__metadata__"
 MAX_ELEMENTS = 2**63 - 1
+MAX_DIMENSIONS = 64
+"""No real tensor has more; a hostile shape list of 400,000 dimensions is refused before it is multiplied."""
 ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 
 DTYPES: Mapping[str, torch.dtype] = {
@@ -154,6 +156,8 @@ def _entry(name: str, value: object, file: str) -> HeaderEntry:
     dtype_name, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise HeaderError(f"{where}: unknown dtype {dtype_name!r}; known: {', '.join(DTYPES)}")
+    if isinstance(shape, list) and len(shape) > MAX_DIMENSIONS:
+        raise HeaderError(f"{where}: shape has {len(shape)} dimensions, more than the {MAX_DIMENSIONS} weightstream accepts")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise HeaderError(f"{where}: shape {_shown(shape) if isinstance(shape, list) else repr(shape)[:200]} is not a list of non-negative integers")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):

@@ -23,7 +23,13 @@ from weightstream.memory.cuda import CudaStaging
 from weightstream.memory.devices import check_fits
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan, ReadRequest, layout_file
-from weightstream.readers.tasks import THREAD_NAME_PREFIX, buffer_tensor, forget_failures, tensors_as_read
+from weightstream.readers.tasks import (
+    THREAD_NAME_PREFIX,
+    buffer_tensor,
+    forget_failures,
+    load_stop_flag,
+    tensors_as_read,
+)
 
 
 def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator[tuple[str, torch.Tensor]]:
@@ -45,7 +51,7 @@ def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator
         handles = [cleanup.enter_context(gds.registered_file(cufile, layout.file, specs[layout.file].size, specs[layout.file].version)) for layout in layouts]
         futures: dict[Future, tuple[int, int]] = {}
         cleanup.callback(forget_failures, futures)
-        stop = threading.Event()
+        stop = load_stop_flag()
         readers = ThreadPoolExecutor(
             max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX + "-gds",
             initializer=torch.cuda.set_device, initargs=(device.device,),

@@ -230,7 +230,9 @@ class _Keeper:
         self._error: BaseException | None = None
         for buffer in range(buffers):
             self.released.put(buffer)
-        self._thread = threading.Thread(target=self._run, name=THREAD_NAME_PREFIX + "-layers")
+        # A daemon: an abandoned iterator's keeper waits for buffers its caller never gives back, and
+        # must not keep the interpreter from exiting (the load's stop flag ends its reads then).
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME_PREFIX + "-layers", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

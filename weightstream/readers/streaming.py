@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
@@ -27,7 +26,7 @@ from weightstream.memory.host import HostArena
 from weightstream.options import DEFAULT_INFLIGHT_BYTES, LoadOptions
 from weightstream.planning.plan import PAGE, FileLayout, LoadPlan, TensorSpec, layout_file, round_up_to_page
 from weightstream.readers.files import FileHandles
-from weightstream.readers.tasks import Waiting, read_into_arena, start_readers, wants_huge_pages
+from weightstream.readers.tasks import Completions, Waiting, read_into_arena, start_readers, wants_huge_pages
 from weightstream.sources.base import Store
 
 
@@ -105,6 +104,7 @@ def read_streaming(store: Store, plan: LoadPlan, opts: LoadOptions, *, pinned: b
         cleanup.callback(arenas.clear)
         readers, stop, futures = start_readers(cleanup, opts)
         window_state = _Window(batches, arenas, window)
+        completions = Completions()
         while window_state.admitted < len(batches) or futures:
             while window_state.fits_next():
                 number = window_state.admitted
@@ -112,19 +112,22 @@ def read_streaming(store: Store, plan: LoadPlan, opts: LoadOptions, *, pinned: b
                 source = sources[batch.file]
                 window_state.admit(HostArena(batch.layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=pinned))
                 for request_number in range(len(batch.layout.requests)):
-                    futures[readers.submit(read_into_arena, source, batch.layout.requests[request_number], arenas[number], stop, opts)] = (number, request_number)
+                    future = readers.submit(read_into_arena, source, batch.layout.requests[request_number], arenas[number], stop, opts)
+                    futures[future] = (number, request_number)
+                    completions.add(future)
                 for tensor_number in window_state.ready_without_reads(number):
                     named = window_state.take(number, tensor_number)
                     yield named
                     del named  # once yielded, the caller's tensor alone keeps the memory
-            done, _ = wait(futures, return_when=FIRST_COMPLETED)
-            for future in done:
-                future.result()
-                number, request_number = futures.pop(future)
-                for tensor_number in window_state.request_done(number, request_number):
-                    named = window_state.take(number, tensor_number)
-                    yield named
-                    del named
+            if not futures:
+                continue
+            future = completions.next()
+            future.result()
+            number, request_number = futures.pop(future)
+            for tensor_number in window_state.request_done(number, request_number):
+                named = window_state.take(number, tensor_number)
+                yield named
+                del named
 
 
 class _Window:

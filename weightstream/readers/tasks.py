@@ -4,10 +4,12 @@ which reads, and letting go of failed readers' memory (their files: :mod:`weight
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -18,6 +20,28 @@ from weightstream.planning.plan import PAGE, FileLayout, ReadRequest, round_up_t
 from weightstream.sources.base import Source
 
 THREAD_NAME_PREFIX = "weightstream-read"
+_RUNNING: weakref.WeakSet[threading.Event] = weakref.WeakSet()
+"""The stop flags of the loads running in this process."""
+
+
+def _stop_every_load() -> None:
+    """At interpreter exit every unfinished load stops, so that an abandoned iterator's queued reads are
+    skipped, not run, when ``concurrent.futures`` joins its workers (an abandoned load of many reads
+    kept a script from exiting for seconds)."""
+    for stop in list(_RUNNING):
+        stop.set()
+
+
+def load_stop_flag() -> threading.Event:
+    """A new load's stop flag, which is also set when the interpreter exits (see :func:`_stop_every_load`)."""
+    stop = threading.Event()
+    _RUNNING.add(stop)
+    return stop
+
+
+# threading's exit hooks run last-registered first: this one, registered after concurrent.futures'
+# (imported above), runs before it joins the reader threads. atexit would run after the join.
+threading._register_atexit(_stop_every_load)
 
 
 def wants_huge_pages(source: Source, opts: LoadOptions) -> bool:
@@ -61,7 +85,7 @@ def start_readers(cleanup: contextlib.ExitStack, opts: LoadOptions) -> tuple[Thr
     must not vanish under them) and failed readers' frames let go of the load's memory."""
     futures: dict[Future, Any] = {}
     cleanup.callback(forget_failures, futures)
-    stop = threading.Event()
+    stop = load_stop_flag()
     readers = ThreadPoolExecutor(max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX)
     cleanup.callback(readers.shutdown, wait=True, cancel_futures=True)
     cleanup.callback(stop.set)
@@ -93,16 +117,45 @@ def tensors_as_read(
     for file_number, tensors in enumerate(waiting):
         for tensor_number in tensors.ready_without_reads():
             yield tensor_of(file_number, tensor_number)
-    pending = set(futures)
-    while pending:
-        done, pending = wait(pending, return_when=FIRST_COMPLETED)
-        for future in done:
-            result = future.result()
-            if on_result is not None:
-                on_result(result)
-            file_number, request_number = futures.pop(future)
-            for tensor_number in waiting[file_number].request_done(request_number):
-                yield tensor_of(file_number, tensor_number)
+    completions = Completions()
+    for future in list(futures):
+        completions.add(future)
+    while completions.pending:
+        future = completions.next()
+        result = future.result()
+        if on_result is not None:
+            on_result(result)
+        file_number, request_number = futures.pop(future)
+        for tensor_number in waiting[file_number].request_done(request_number):
+            yield tensor_of(file_number, tensor_number)
+
+
+class Completions:
+    """Futures in the order they finish. Each puts itself on a queue when done, so taking the next one
+    costs the same however many are pending: ``concurrent.futures.wait`` locks every pending future on
+    every call (16 ms a call at 17k pending reads, a 140 GB checkpoint in 8 MiB requests).
+
+    Example:
+        >>> from concurrent.futures import Future
+        >>> completions, future = Completions(), Future()
+        >>> completions.add(future); future.set_result(7)
+        >>> completions.next().result(), completions.pending
+        (7, 0)
+    """
+
+    def __init__(self) -> None:
+        self._done: queue.SimpleQueue[Future] = queue.SimpleQueue()
+        self.pending = 0
+
+    def add(self, future: Future) -> None:
+        self.pending += 1
+        future.add_done_callback(self._done.put)
+
+    def next(self) -> Future:
+        """The next future to finish (waiting for it if none has)."""
+        future = self._done.get()
+        self.pending -= 1
+        return future
 
 
 def buffer_tensor(layout: FileLayout, buffer: torch.Tensor, tensor_number: int) -> tuple[str, torch.Tensor]:

@@ -113,7 +113,7 @@ def save_sharded_state(
     except OSError as error:
         failure = SaveError(f"saving {describe(rank)} into {directory} failed: {error.strerror or error} ({error.filename or directory})")
         failure.errno = error.errno
-        raise failure from None
+        raise failure from error
     finally:
         for path in temporary:
             with contextlib.suppress(FileNotFoundError):

@@ -23,6 +23,9 @@ from weightstream.sources.retry import RetryPolicy, Transient
 FILE_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """A URL whose last segment ends so names a file; any other URL names a directory."""
 MAX_REDIRECTS = 5
+CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+"""Headers never sent to a host other than the one the caller named."""
+DEFAULT_PORTS = {"http": 80, "https": 443}
 CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
 """ASCII digits only (``str.isdigit`` takes superscripts, which ``int`` refuses), and a size that fits 64 bits."""
 LAST_MODIFIED = "last-modified "
@@ -104,8 +107,23 @@ class HttpStore:
         location = self._locations.get(source.uri, source.uri)
         if source.version.startswith(LAST_MODIFIED):
             modified = source.version[len(LAST_MODIFIED) :]
-            return RangeTarget(location, {**self.headers, "If-Unmodified-Since": modified}, "Last-Modified", modified)
-        return RangeTarget(location, {**self.headers, "If-Match": source.version}, "ETag", source.version)
+            return RangeTarget(location, {**self.headers_for(source.uri, location), "If-Unmodified-Since": modified}, "Last-Modified", modified)
+        return RangeTarget(location, {**self.headers_for(source.uri, location), "If-Match": source.version}, "ETag", source.version)
+
+    def headers_for(self, uri: str, location: str) -> dict[str, str]:
+        """The caller's headers for a request to ``location`` on behalf of ``uri``: without credentials
+        (``Authorization``, ``Proxy-Authorization``, ``Cookie``) once a redirect has left ``uri``'s host,
+        as ``requests`` does (a Hub token must not reach the CDN it redirects to).
+
+        Example:
+            >>> store = HttpStore({"headers": {"Authorization": "Bearer t", "User-Agent": "x"}})
+            >>> store.headers_for("https://hub.example/m.safetensors", "https://cdn.example/blob")
+            {'User-Agent': 'x'}
+            >>> store.close()
+        """
+        if _same_authority(uri, location):
+            return dict(self.headers)
+        return {name: value for name, value in self.headers.items() if name.lower() not in CREDENTIAL_HEADERS}
 
     def close(self) -> None:
         self.ranges.close()
@@ -117,7 +135,7 @@ class HttpStore:
         def attempt() -> http.client.HTTPResponse | None:
             nonlocal location, redirects
             while True:
-                answer = self.ranges.head(location, self.headers)
+                answer = self.ranges.head(location, self.headers_for(uri, location))
                 if answer.status not in (301, 302, 303, 307, 308) or not answer.getheader("Location"):
                     break
                 redirects += 1
@@ -138,3 +156,16 @@ class HttpStore:
             raise SourceError(f"{uri}: HEAD answered HTTP {answer.status} {answer.reason}")
 
         return self.policy.run(uri, attempt)
+
+
+def _same_authority(uri: str, location: str) -> bool:
+    """Whether ``location`` may receive ``uri``'s credentials: the same host and port, or the same host
+    upgraded from ``http`` to ``https`` on the default ports (``requests``' rule)."""
+    before, after = urllib.parse.urlsplit(uri), urllib.parse.urlsplit(location)
+    if (before.hostname or "").lower() != (after.hostname or "").lower():
+        return False
+    port_before = before.port or DEFAULT_PORTS.get(before.scheme)
+    port_after = after.port or DEFAULT_PORTS.get(after.scheme)
+    if (before.scheme, port_before) == (after.scheme, port_after):
+        return True
+    return (before.scheme, port_before, after.scheme, port_after) == ("http", 80, "https", 443)

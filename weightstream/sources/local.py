@@ -66,9 +66,9 @@ class LocalFile:
             try:
                 got = os.preadv(self._fd, [buffer[done:]], offset + done)
             except OSError as error:
-                raise SourceError(
-                    f"{self.uri}: read of bytes {offset}..{offset + wanted} failed at byte {offset + done}: {error.strerror}"
-                ) from None
+                failure = SourceError(f"{self.uri}: read of bytes {offset}..{offset + wanted} failed at byte {offset + done}: {error.strerror}")
+                failure.errno = error.errno
+                raise failure from error
             if got == 0:
                 raise TruncatedFileError(
                     f"{self.uri}: file ends at byte {offset + done}, expected bytes up to {offset + wanted} "

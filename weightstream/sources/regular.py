@@ -26,7 +26,9 @@ def open_regular(path: str, flags: int = 0) -> tuple[int, os.stat_result]:
     except FileNotFoundError:
         raise NotFound(f"{path}: no such file") from None
     except OSError as error:
-        raise SourceError(f"{path}: cannot open{' with O_DIRECT' if flags & os.O_DIRECT else ''}: {error.strerror}") from error
+        failure = SourceError(f"{path}: cannot open{' with O_DIRECT' if flags & os.O_DIRECT else ''}: {error.strerror}")
+        failure.errno = error.errno
+        raise failure from error
     try:
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode):

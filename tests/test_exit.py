@@ -1,0 +1,49 @@
+"""An abandoned iterator never holds the interpreter at exit: its queued reads are skipped, and the
+layered loader's keeper (waiting for buffers its caller never gives back) does not block."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightstream.formats.writer import write_safetensors
+
+ROOT = Path(__file__).resolve().parents[1]
+READS = 2048
+SCRIPT = """
+import sys, time, weightstream
+from weightstream.sources.local import LocalFile
+read_into = LocalFile.read_into
+def slow(self, offset, buffer):
+    time.sleep(0.005)  # 2,048 reads on 2 threads: about 5 s for the whole load
+    read_into(self, offset, buffer)
+LocalFile.read_into = slow
+kind, path = sys.argv[1], sys.argv[2]
+if kind == "iter_layers":
+    iterator = weightstream.iter_layers(path, threads=2, chunk_bytes=4096)
+else:
+    iterator = weightstream.iter_weights(path, format=kind, threads=2, chunk_bytes=4096)
+first = next(iterator)  # held to the end: the iterator is abandoned, never closed
+print(time.time(), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def many_reads(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("exit") / "many.safetensors"
+    write_safetensors(path, {f"model.layers.{n // 16}.w{n % 16}": torch.full((1024,), n, dtype=torch.int32) for n in range(READS)})
+    return path
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "streaming", "layered", "iter_layers"])
+def test_an_abandoned_iterator_does_not_hold_the_interpreter_at_exit(many_reads: Path, kind):
+    result = subprocess.run([sys.executable, "-c", SCRIPT, kind, str(many_reads)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    ended = time.time()
+    assert result.returncode == 0, result.stderr[-2000:]
+    abandoned = float(result.stdout.strip().splitlines()[-1])
+    assert ended - abandoned < 2, f"{ended - abandoned:.1f} s from the abandoned iterator to the exit: its queued reads ran, or a thread held it"
