@@ -4,7 +4,9 @@ Modes: ``load`` (every tensor, compared with a single-process load), ``filter`` 
 ``staged`` (every tensor through a small staging ring with the CPU engine), ``cuda`` (every
 tensor to this rank's GPU over NCCL),
 ``kill`` / ``abandon`` / ``fail`` / ``other-filter`` (rank VICTIM is killed after its first tensor,
-stops iterating, has a read fail, or plans another load; the others must raise). Prints one JSON line.
+stops iterating, has a read fail, or plans another load; the others must raise), ``plan-fail`` /
+``sizing-fail`` / ``memory-fail`` (rank VICTIM fails planning, sizing the load before the plan check,
+or allocating after it). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -38,6 +40,18 @@ def main(init: str, rank: int, world: int, uri: str, mode: str, victim: int) -> 
         def fail(nbytes: int) -> None:
             raise OSError(5, "injected read failure")
         options["progress"] = fail
+    if me and mode == "plan-fail":
+        uri = uri + "-not-on-this-rank"
+    if me and mode in ("sizing-fail", "memory-fail"):
+        import weightstream.readers.distributed as reader
+
+        def injected(*args: object, **kwargs: object) -> None:
+            raise weightstream.HostMemoryError(f"injected {mode}")
+
+        if mode == "sizing-fail":
+            reader.check_fits = injected  # fails before the plan check
+        else:
+            reader._HostLanding.__init__ = injected  # fails after it: an mmap ENOMEM while allocating
     result: dict = {"rank": rank}
     start = time.perf_counter()
     try:

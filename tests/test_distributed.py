@@ -115,6 +115,9 @@ def test_tiny_tensors_one_huge_tensor_and_a_filter(tmp_path: Path):
         ("abandon", r"another rank stopped while loading .* its own error says why"),
         ("fail", r"another rank stopped while loading"),
         ("other-filter", r"the ranks planned different loads"),
+        ("plan-fail", r"another rank failed while planning .*; its own error says why"),
+        ("sizing-fail", r"another rank failed while setting up the load of .*; its own error says why"),
+        ("memory-fail", r"another rank stopped while loading .* \(before chunk 0 of \d+\); its own error says why"),
     ],
 )
 def test_one_rank_failing_makes_the_others_raise_promptly(tmp_path: Path, mode, message):
@@ -127,9 +130,11 @@ def test_one_rank_failing_makes_the_others_raise_promptly(tmp_path: Path, mode, 
     for result in others:
         assert result.get("error") and result["error"][0] == "PeerError" and re.search(message, result["error"][1]), result
         assert result["seconds"] < 30, "a peer's failure must not wait for the group's 60 s timeout"
-    if mode == "fail":
+    own = {"fail": ("OSError", r"injected read failure$"), "plan-fail": ("NotFound", r"-not-on-this-rank: no such file or directory"),
+           "sizing-fail": ("HostMemoryError", r"^injected sizing-fail$"), "memory-fail": ("HostMemoryError", r"^injected memory-fail$")}
+    if mode in own:
         (victim,) = [r for r in results if r["rank"] == 1]
-        assert victim["error"][1].endswith("injected read failure")
+        assert victim["error"][0] == own[mode][0] and re.search(own[mode][1], victim["error"][1]), victim
 
 
 def test_the_loader_needs_torch_distributed(tmp_path: Path, no_leaks):

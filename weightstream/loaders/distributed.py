@@ -14,7 +14,7 @@ from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan
-from weightstream.readers.distributed import DistributedStats, read_distributed
+from weightstream.readers.distributed import DistributedStats, read_distributed, told_to_peers
 from weightstream.sources import Store
 
 
@@ -39,8 +39,10 @@ class DistributedLoader:
         if opts.stats is not None and not isinstance(opts.stats, DistributedStats):
             raise InvalidOptionError(f"stats must be a weightstream.DistributedStats, got {type(opts.stats).__name__}")
         check_destination(opts.device, opts.pin_memory)
-        _group_of(opts)
-        return self._stores.plan(uri, opts, lambda store: plan_checkpoint(store, uri, opts))
+        group = _group_of(opts)
+        device = torch.device(opts.device) if torch.device(opts.device).type == "cuda" else torch.device("cpu")
+        with told_to_peers(group, device, uri, "planning"):  # a rank that cannot plan (a missing file) tells the others
+            return self._stores.plan(uri, opts, lambda store: plan_checkpoint(store, uri, opts))
 
     def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         pinned = check_destination(opts.device, opts.pin_memory)

@@ -131,20 +131,23 @@ def read_distributed(
     chunk_bytes = opts.chunk_bytes if opts.chunk_bytes is not None else max(SHARE_CHUNK_BYTES, opts.request_bytes(plan.uri))
     if staging is not None:
         chunk_bytes = min(chunk_bytes, opts.staging_slot_bytes)
-    check_fits(plan.total_bytes, opts.device, plan.uri)
-    layouts = [layout_file(plan.tensors_of(spec.path), chunk_bytes) for spec in plan.files]
-    layouts = [layout for layout in layouts if layout.tensor_offsets]
-    chunks = assign_chunks(layouts, world_size)
     device = staging.device if staging is not None else torch.device("cpu")
+    with told_to_peers(group, device, plan.uri, "setting up the load of"):
+        check_fits(plan.total_bytes, opts.device, plan.uri)
+        layouts = [layout_file(plan.tensors_of(spec.path), chunk_bytes) for spec in plan.files]
+        layouts = [layout for layout in layouts if layout.tensor_offsets]
+        chunks = assign_chunks(layouts, world_size)
     _check_same_plan(plan, chunks, group, device)
     files = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
+        peers = _Peers(group, device)
+        # Registered first, so it runs last (after the readers stopped), and before anything here can fail:
+        # a rank failing to open its files or to allocate tells its peers in their first status round.
+        cleanup.callback(peers.leave)
         handles = cleanup.enter_context(FileHandles(store, opts))
         sources = [handles.source(files[layout.file]) for layout in layouts]
         landing = _HostLanding(layouts, sources, opts, pinned) if staging is None else _StagedLanding(layouts, staging, opts)
-        cleanup.callback(landing.close)  # registered first: runs after the readers stopped writing
-        peers = _Peers(group, device)
-        cleanup.callback(peers.leave)  # runs after the readers stopped: tells the peers if this rank leaves early
+        cleanup.callback(landing.close)  # runs after the readers stopped writing
         readers, stop, futures = start_readers(cleanup, opts)
         ahead: dict[int, Future] = {}  # chunk number -> this rank's read of it, or the preparing of a peer's chunk's memory
 
@@ -277,6 +280,34 @@ class _Peers:
         self._status.fill_(1)
         with contextlib.suppress(RuntimeError):  # the peers may be gone already
             self._dist.all_reduce(self._status, op=self._dist.ReduceOp.MAX, group=self._group)
+
+
+@contextlib.contextmanager
+def told_to_peers(group: Any, device: torch.device, uri: str, doing: str) -> Iterator[None]:
+    """Run a phase every rank runs before its next collective, then agree on its outcome with one
+    ``all_reduce``: a rank that fails tells the others at once (they raise :class:`PeerError`) and then
+    raises its own error, instead of leaving them to wait for the process group's timeout.
+
+    Example:
+        >>> with told_to_peers(None, torch.device("cpu"), "model/", "planning"):  # doctest: +SKIP
+        ...     plan = read_plan(store, "model/", wants)
+    """
+    import torch.distributed as dist
+
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    try:
+        yield
+    except BaseException:
+        flag.fill_(1)
+        with contextlib.suppress(Exception):  # the own error is the one to raise, whatever the peers do
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        raise
+    try:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as error:
+        raise PeerError(f"lost a peer while {doing} {uri}: {str(error).splitlines()[0]}") from None
+    if flag.item():
+        raise PeerError(f"another rank failed while {doing} {uri}; its own error says why")
 
 
 def _check_same_plan(plan: LoadPlan, chunks: list[Chunk], group: Any, device: torch.device) -> None:
