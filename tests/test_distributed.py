@@ -150,3 +150,16 @@ def test_a_cuda_destination_without_cuda_is_refused(tmp_path: Path, no_leaks):
     uri, _ = checkpoint(tmp_path)
     with pytest.raises(weightstream.DeviceUnavailableError, match=r"device 'cuda' requested, but torch .* sees no CUDA device"):
         weightstream.iter_weights(uri, format="distributed", device="cuda")
+
+
+def test_the_plan_digest_tells_object_versions_apart_but_not_local_copies():
+    from weightstream.planning.plan import FileSpec, LoadPlan
+    from weightstream.readers.distributed import plan_digest
+
+    def plan(uri: str, version: str) -> LoadPlan:
+        return LoadPlan(uri, (FileSpec(f"{uri}/model-00001-of-00001.safetensors", 4096, 128, {}, version),), ())
+
+    assert plan_digest(plan("s3://bucket/llama", '"etag-a"'), []) != plan_digest(plan("s3://bucket/llama", '"etag-b"'), [])
+    assert plan_digest(plan("gs://bucket/llama", "17"), []) != plan_digest(plan("gs://bucket/llama", "18"), [])
+    # Two nodes' copies of one local checkpoint: other inodes and mtimes, the same plan.
+    assert plan_digest(plan("/models/llama", "2049:131:1700000000000000000"), []) == plan_digest(plan("/models/llama", "2050:977:1700000005000000000"), [])

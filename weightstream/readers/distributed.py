@@ -44,6 +44,7 @@ from weightstream.readers.tasks import (
     start_readers,
     wants_huge_pages,
 )
+from weightstream.sources import REMOTE_SCHEMES
 from weightstream.sources.base import Source, Store
 
 SHARE_CHUNK_BYTES = 64 << 20
@@ -310,15 +311,32 @@ def told_to_peers(group: Any, device: torch.device, uri: str, doing: str) -> Ite
         raise PeerError(f"another rank failed while {doing} {uri}; its own error says why")
 
 
+def plan_digest(plan: LoadPlan, chunks: list[Chunk]) -> int:
+    """63 bits (it and its negation fit an int64) naming what a rank planned: each file's name, size and,
+    for objects in a store, version (an ETag, a generation: the same object on every rank, so ranks that
+    saw two revisions of the same shapes disagree), and the chunks. A local file's version (its inode and
+    mtime) differs between the nodes' copies of one checkpoint, so it is left out.
+
+    Example:
+        >>> from weightstream.planning.plan import FileSpec
+        >>> plan = LoadPlan("s3://b/m", (FileSpec("s3://b/m/a.safetensors", 8, 8, {}, '"etag-1"'),), ())
+        >>> plan_digest(plan, []) != plan_digest(dataclasses.replace(plan, files=(FileSpec("s3://b/m/a.safetensors", 8, 8, {}, '"etag-2"'),)), [])
+        True
+    """
+    import xxhash
+
+    remote = plan.uri.startswith(REMOTE_SCHEMES)
+    files = [(spec.path.rsplit("/", 1)[-1], spec.size, spec.version if remote else None) for spec in plan.files]
+    return xxhash.xxh3_64_intdigest(repr(files + [dataclasses.astuple(chunk) for chunk in chunks]).encode()) >> 1
+
+
 def _check_same_plan(plan: LoadPlan, chunks: list[Chunk], group: Any, device: torch.device) -> None:
     """Every rank must have planned the same chunks of the same files (same checkpoint, same filter)."""
     import torch.distributed as dist
-    import xxhash
 
-    digest = xxhash.xxh3_64_intdigest(repr([(spec.path.rsplit("/", 1)[-1], spec.size) for spec in plan.files] + [dataclasses.astuple(c) for c in chunks]).encode())
-    digest >>= 1  # 63 bits: it and its negation fit an int64
+    digest = plan_digest(plan, chunks)
     extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)  # the largest digest, and minus the smallest
     if int(extremes[0]) != digest or int(extremes[1]) != -digest:
-        raise PeerError(f"{plan.uri}: the ranks planned different loads (other files, sizes or filters); every rank must load the same")
+        raise PeerError(f"{plan.uri}: the ranks planned different loads (other files, sizes, versions or filters); every rank must load the same")
 
