@@ -17,8 +17,8 @@ from typing import Any
 
 from weightstream.errors import NotFound, SourceError
 from weightstream.sources.backends import require
-from weightstream.sources.http_range import RangeClient, RangeTarget
-from weightstream.sources.objectstore import ObjectSource
+from weightstream.sources.http_range import RangeTarget
+from weightstream.sources.objectstore import ObjectSource, RemoteStore
 from weightstream.sources.retry import RetryPolicy, Transient
 
 VERSION_KEY = "generation"
@@ -27,7 +27,7 @@ GENERATION_HEADER = "x-goog-generation"
 """The header of a download answer that names the generation it holds."""
 
 
-class GcsStore:
+class GcsStore(RemoteStore):
     """Lists and opens objects under ``gs://bucket/prefix``.
 
     Example:
@@ -35,9 +35,6 @@ class GcsStore:
         >>> store.open("gs://bench/model.safetensors").size  # doctest: +SKIP
         4096
     """
-
-    lists = True
-    scheme = "gs"
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> None:
         require("gs", "fsspec", "gcsfs")
@@ -48,8 +45,7 @@ class GcsStore:
         # A filesystem of our own per store (not fsspec's shared instance), so that closing the store
         # closes its connections: nothing of a load outlives it. Version-aware, so reads can pin a generation.
         self.fs = fsspec.filesystem("gcs", **{"version_aware": True, **(storage_options or {}), "skip_instance_cache": True})
-        self.policy = policy or RetryPolicy()
-        self.ranges = RangeClient(self.policy)
+        super().__init__(policy)
         self._listed: dict[str, dict] = {}
         """URI -> its entry in a listing this store made (a load's snapshot; reads stay pinned to its generations)."""
 
@@ -73,9 +69,6 @@ class GcsStore:
             names.append(name)
         return sorted(names)
 
-    def join(self, directory: str, name: str) -> str:
-        return directory.rstrip("/") + "/" + name
-
     def open(self, uri: str, *, direct: bool | str = False) -> ObjectSource:
         """Open ``uri`` at its current generation (``direct`` has no meaning for objects and is ignored)."""
         info = self._listed.get(uri.rstrip("/"))
@@ -87,13 +80,6 @@ class GcsStore:
             raise SourceError(f"{uri}: the store gave no {VERSION_KEY}, so reads cannot be pinned to one version")
         return ObjectSource(self, uri, int(info["size"]), str(info[VERSION_KEY]))
 
-    def resolve_direct(self, uri: str, direct: bool | str) -> bool:
-        """Objects are never read around a page cache."""
-        return False
-
-    def open_pinned(self, uri: str, size: int, version: str, *, direct: bool | str = False) -> ObjectSource:
-        return ObjectSource(self, uri, size, version)
-
     def range_target(self, source: ObjectSource) -> RangeTarget:
         """The download URL of the pinned generation; its answers must name that generation."""
         url = self.fs.url(self._key(source.uri), generation=source.version)
@@ -103,7 +89,7 @@ class GcsStore:
         """Close this store's connections (range requests and the fsspec session); idempotent."""
         from fsspec.asyn import sync
 
-        self.ranges.close()
+        super().close()
         session = getattr(self.fs, "_session", None)
         if session is not None and not session.closed:
             sync(self.fs.loop, session.close)
@@ -111,16 +97,12 @@ class GcsStore:
     def _key(self, uri: str) -> str:
         return uri.split("://", 1)[1]
 
-    def _call(self, uri: str, function: Any, *args: Any, **kwargs: Any) -> Any:
-        """A metadata call (info, ls, ...), retried like ranges; each attempt bounded by the stall timeout."""
+    def _attempt_options(self) -> dict[str, Any]:
+        """Each attempt bounded by the stall timeout (fsspec's ``sync()`` takes ``timeout``)."""
+        return {"timeout": self.policy.timeout()}
 
-        def attempt() -> Any:
-            try:
-                return function(*args, timeout=self.policy.timeout(), **kwargs)  # fsspec's sync() takes `timeout`
-            except Exception as error:  # noqa: BLE001 - classified: what is not the store's or the network's is raised as it is
-                raise classify(uri, error, self.policy.timeout()) from None
-
-        return self.policy.run(uri, attempt)
+    def _classify(self, uri: str, error: Exception) -> Exception:
+        return classify(uri, error, self.policy.timeout())
 
 
 def classify(uri: str, error: Exception, timeout: float) -> Exception:

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightstream.errors import InvalidOptionError, NotFound, SourceError, UnsupportedInputError
-from weightstream.sources.http_range import RangeClient, RangeTarget
-from weightstream.sources.objectstore import ObjectSource
+from weightstream.sources.http_range import RangeTarget
+from weightstream.sources.objectstore import ObjectSource, RemoteStore
 from weightstream.sources.retry import RetryPolicy, Transient
 
 FILE_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -32,7 +32,7 @@ LAST_MODIFIED = "last-modified "
 """Prefix of a version that is a ``Last-Modified`` date rather than an ETag."""
 
 
-class HttpStore:
+class HttpStore(RemoteStore):
     """Opens files under ``http(s)://`` URLs; ``storage_options`` may hold ``headers`` (e.g. ``Authorization``).
     It cannot list directories (``lists`` is False): a directory is known by the files it is asked for.
 
@@ -51,8 +51,7 @@ class HttpStore:
         if unknown:
             raise InvalidOptionError(f"storage_options for http(s):// take only 'headers', got {', '.join(unknown)}")
         self.headers: dict[str, str] = dict(options.get("headers") or {})
-        self.policy = policy or RetryPolicy()
-        self.ranges = RangeClient(self.policy)
+        super().__init__(policy)
         self._locations: dict[str, str] = {}
         """URI -> where its redirects led (ranges go there)."""
 
@@ -94,13 +93,6 @@ class HttpStore:
             raise SourceError(f"{uri}: the server gave neither a strong ETag nor Last-Modified, so reads cannot be pinned to one version")
         return ObjectSource(self, uri, int(length), version)
 
-    def resolve_direct(self, uri: str, direct: bool | str) -> bool:
-        """Objects are never read around a page cache."""
-        return False
-
-    def open_pinned(self, uri: str, size: int, version: str, *, direct: bool | str = False) -> ObjectSource:
-        return ObjectSource(self, uri, size, version)
-
     def range_target(self, source: ObjectSource) -> RangeTarget:
         """Where redirects led, the precondition of the pinned version, and the header its answers must repeat
         (servers that ignore ``If-Match`` still say which ETag they answer from)."""
@@ -124,9 +116,6 @@ class HttpStore:
         if _same_authority(uri, location):
             return dict(self.headers)
         return {name: value for name, value in self.headers.items() if name.lower() not in CREDENTIAL_HEADERS}
-
-    def close(self) -> None:
-        self.ranges.close()
 
     def _head(self, uri: str, missing_ok: bool = False) -> http.client.HTTPResponse | None:
         """The ``HEAD`` answer for ``uri`` after redirects (retried like ranges), or None if missing and ``missing_ok``."""

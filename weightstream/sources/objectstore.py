@@ -1,4 +1,5 @@
-"""One object of a remote store at one version, read by range requests: what S3, GCS and HTTP(S) share.
+"""What S3, GCS and HTTP(S) share: one object at one version, read by range requests, and the store
+behind it (its retry policy and connections).
 
 Each range is one request through the store's range client, retried and resumed as the store's policy
 says; each answer is checked for its exact length and position (a short body, or a ``200`` carrying the
@@ -7,7 +8,8 @@ whole object where ``206`` was due, is an error, not data).
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from weightstream.errors import SourceError
 from weightstream.sources.http_range import RangeClient, RangeTarget
@@ -65,3 +67,46 @@ class RangeStore(Protocol):
     def range_target(self, source: ObjectSource) -> RangeTarget:
         """The URL and headers of a range request for ``source`` (without the ``Range`` header), and the
         answer header that must name its pinned version."""
+
+
+
+class RemoteStore:
+    """The part of every remote store that is the same: a retry policy and the load's range connections,
+    objects reopened at a pinned version without a request, no page cache, ``/``-joined names, and
+    metadata calls retried as the store's ``_classify`` says (stores that make them define it)."""
+
+    lists = True
+
+    def __init__(self, policy: RetryPolicy | None) -> None:
+        self.policy = policy or RetryPolicy()
+        self.ranges = RangeClient(self.policy)
+
+    def join(self, directory: str, name: str) -> str:
+        return directory.rstrip("/") + "/" + name
+
+    def resolve_direct(self, uri: str, direct: bool | str) -> bool:
+        """Objects are never read around a page cache."""
+        return False
+
+    def open_pinned(self, uri: str, size: int, version: str, *, direct: bool | str = False) -> ObjectSource:
+        return ObjectSource(self, uri, size, version)
+
+    def close(self) -> None:
+        """Close the range connections; idempotent (stores with more to close extend it)."""
+        self.ranges.close()
+
+    def _call(self, uri: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A metadata call, retried like ranges: only what ``_classify`` makes :class:`Transient` is tried
+        again; anything else it returns is raised (a programming error as it is, once)."""
+
+        def attempt() -> Any:
+            try:
+                return function(*args, **self._attempt_options(), **kwargs)
+            except Exception as error:  # noqa: BLE001 - classified: what is neither the store's nor the network's is raised as it is
+                raise self._classify(uri, error) from None
+
+        return self.policy.run(uri, attempt)
+
+    def _attempt_options(self) -> dict[str, Any]:
+        """Keyword arguments each attempt of a metadata call adds (none here)."""
+        return {}

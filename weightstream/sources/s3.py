@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from weightstream.errors import InvalidOptionError, NotFound, SourceError
 from weightstream.sources.backends import require
-from weightstream.sources.http_range import RangeClient, RangeTarget
-from weightstream.sources.objectstore import ObjectSource
+from weightstream.sources.http_range import RangeTarget
+from weightstream.sources.objectstore import ObjectSource, RemoteStore
 from weightstream.sources.retry import RetryPolicy, Transient
 
 STORAGE_OPTIONS = ("endpoint_url", "key", "secret", "token", "region_name", "profile", "anon", "client_kwargs", "config_kwargs")
@@ -35,7 +35,7 @@ MISSING_CODES = frozenset({"404", "NoSuchKey", "NoSuchBucket", "NotFound"})
 DENIED_CODES = frozenset({"401", "403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"})
 
 
-class S3Store:
+class S3Store(RemoteStore):
     """Lists and opens objects under ``s3://bucket/prefix``.
 
     Example:
@@ -44,18 +44,14 @@ class S3Store:
         4096
     """
 
-    lists = True
-    scheme = "s3"
-
     def __init__(self, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> None:
         require("s3", "botocore")
         options = dict(storage_options or {})
         unknown = sorted(set(options) - set(STORAGE_OPTIONS))
         if unknown:
             raise InvalidOptionError(f"storage_options for s3:// take {', '.join(STORAGE_OPTIONS)}; got {', '.join(unknown)}")
-        self.policy = policy or RetryPolicy()
+        super().__init__(policy)
         self.client = _client(options, self.policy)
-        self.ranges = RangeClient(self.policy)
         self._presigned: dict[str, tuple[str, float]] = {}
         self._presigning = threading.Lock()
         self._listed: dict[str, dict[str, Any]] = {}
@@ -110,9 +106,6 @@ class S3Store:
             if not page.get("IsTruncated") or not token:
                 return sorted(names)
 
-    def join(self, directory: str, name: str) -> str:
-        return directory.rstrip("/") + "/" + name
-
     def open(self, uri: str, *, direct: bool | str = False) -> ObjectSource:
         """Open ``uri`` at its current ETag (``direct`` has no meaning for objects and is ignored)."""
         listed = self._listed.get(uri.rstrip("/"))
@@ -125,20 +118,13 @@ class S3Store:
             raise SourceError(f"{uri}: the store gave no ETag, so reads cannot be pinned to one version")
         return ObjectSource(self, uri, int(listed["size"]), str(listed["etag"]))
 
-    def resolve_direct(self, uri: str, direct: bool | str) -> bool:
-        """Objects are never read around a page cache."""
-        return False
-
-    def open_pinned(self, uri: str, size: int, version: str, *, direct: bool | str = False) -> ObjectSource:
-        return ObjectSource(self, uri, size, version)
-
     def range_target(self, source: ObjectSource) -> RangeTarget:
         """A presigned GET URL of the object, ``If-Match: <ETag>``, and answers that must carry that ETag."""
         return RangeTarget(self._presigned_url(source.uri), {"If-Match": source.version}, "ETag", source.version)
 
     def close(self) -> None:
         """Close this store's connections (range requests and botocore's pool); idempotent."""
-        self.ranges.close()
+        super().close()
         self.client.close()
 
     def _head(self, uri: str) -> dict[str, Any]:
@@ -154,16 +140,8 @@ class S3Store:
                 self._presigned[uri] = (url, time.monotonic())
             return url
 
-    def _call(self, uri: str, function: Callable[..., Any], **kwargs: Any) -> Any:
-        """A metadata call, retried like ranges: only transport and server failures are tried again."""
-
-        def attempt() -> Any:
-            try:
-                return function(**kwargs)
-            except Exception as error:  # noqa: BLE001 - classified: what is not botocore's or the network's is raised as it is
-                raise classify(uri, error) from None
-
-        return self.policy.run(uri, attempt)
+    def _classify(self, uri: str, error: Exception) -> Exception:
+        return classify(uri, error)
 
 
 def classify(uri: str, error: Exception) -> Exception:
