@@ -82,13 +82,14 @@ class FileHandles:
                     source.verify_unchanged()
 
     def _open_checked(self, pooled: PooledSource) -> Source:
+        """The file opened at its planned version: the store checks it (a local file's size and identity at
+        open; an object's every answer). A plan without a version can only be checked for its size here."""
         spec = pooled.spec
-        if spec.version is None:
-            source = self.store.open(spec.path, direct=pooled.direct)
-        else:
-            source = self.store.open_pinned(spec.path, spec.size, spec.version, direct=pooled.direct)
+        if spec.version is not None:
+            return self.store.open_pinned(spec.path, spec.size, spec.version, direct=pooled.direct)
+        source = self.store.open(spec.path, direct=pooled.direct)
         try:
-            check_unchanged(spec.path, spec.size, source.size, spec.version, source.version)
+            check_unchanged(spec.path, spec.size, source.size)
         except BaseException:
             source.close()
             raise
