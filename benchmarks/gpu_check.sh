@@ -4,10 +4,10 @@
 # Here (a machine with PyPI), once:   benchmarks/gpu_check.sh prepare
 #   downloads the peers' wheels for the device image's Python 3.12 into .whl/ (git-ignored).
 # On the lent H200 (device tool: carry [".whl"], timeout about 540 s):   benchmarks/gpu_check.sh run
-#   installs the wheels, runs every CUDA test, then `bench --device cuda` on an 8 GiB demo
+#   installs the wheels, runs every CUDA test, the device-window check (benchmarks/device_window.py), then `bench --device cuda` on an 8 GiB demo
 #   checkpoint, warm and cold (weightstream, weightstream-layered, ...), against safetensors, runai-model-streamer, fastsafetensors
 #   (nogds and GDS) and InstantTensor, with the pinned host-to-device limit.
-# Results land in $OUT (tests.log, bench-cuda-8gib.json, bench.log).
+# Results land in $OUT (tests.log, device-window.json, bench-cuda-8gib-{warm,cold}.json, bench.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +28,10 @@ run() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/machine.txt"
     python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, torch.version.cuda, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/machine.txt"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -n 0 -m cuda tests 2>&1 | tee "$OUT/tests.log"
+    # Engine-style loads (parameters first, each tensor copied in and dropped): peak device memory above
+    # the parameters must stay within the window (issue 17 §1); exit 1 otherwise.
+    timeout 60 python3 benchmarks/device_window.py --size 2GiB --json > "$OUT/device-window.json" 2>> "$OUT/bench.log"
+    echo "device window exit $?" | tee -a "$OUT/tests.log"
     # Warm and cold as separate runs, so that a timeout in one keeps the other's figures.
     for cache in warm cold; do
         timeout 200 python3 -m weightstream.cli bench --device cuda --size 8GiB --shards 4 --rounds 2 --cache "$cache" \

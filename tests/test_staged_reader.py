@@ -117,3 +117,54 @@ def test_a_failed_allocation_frees_the_earlier_files_at_once(tmp_path: Path, no_
         staged_load(uri, SmallDevice())
     assert raised.value.__traceback__ is not None, "the caller still holds the traceback"
     assert [ref() for ref in allocated] == [None, None], "earlier shards' buffers outlived the failed load"
+
+
+class _Counted(bytearray):
+    """Destination memory whose death the test can see (a bytearray cannot be weakly referenced)."""
+
+
+class CountingStaging(CpuStaging):
+    """CPU destination memory that counts the bytes alive (as a GPU's allocator would) and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alive = self.peak = self.allocations = 0
+
+    def allocate(self, nbytes: int, file: str) -> torch.Tensor:
+        memory = _Counted(nbytes)
+        self.alive += nbytes
+        self.peak = max(self.peak, self.alive)
+        self.allocations += 1
+        weakref.finalize(memory, self._freed, nbytes)
+        return torch.frombuffer(memory, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+    def _freed(self, nbytes: int) -> None:
+        self.alive -= nbytes
+
+
+@pytest.mark.parametrize("max_inflight_bytes", [1 << 20, 3 << 20])
+def test_destination_memory_is_bounded_by_the_window(tmp_path: Path, max_inflight_bytes, no_leaks):
+    """A consumer that copies each tensor out and drops it (an engine filling its parameters) holds
+    at most the window plus the tensor it was last given, not the checkpoint: 12 MiB through 1 MiB."""
+    state = llama_state_dict(LlamaShape(hidden=256, intermediate=704, layers=8, vocab=1000))
+    total = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+    largest = max(tensor.numel() * tensor.element_size() for tensor in state.values())
+    uri = save_hf_sharded(state, tmp_path / "ckpt", shards=2)
+    staging = CountingStaging()
+    _, plan, opts = weightstream.plan_load(uri, format="streaming", max_inflight_bytes=max_inflight_bytes, chunk_bytes=256 << 10, threads=4)
+    seen = set()
+    for name, tensor in read_staged(store_for(plan.uri), plan, opts, staging):
+        assert torch.equal(tensor, state[name])
+        seen.add(name)
+        del tensor
+    assert seen == set(state)
+    assert total > 3 * max_inflight_bytes
+    assert staging.peak <= max_inflight_bytes + largest + 4096, f"{staging.peak} bytes of destination alive at once"
+    assert staging.allocations > 8, "the checkpoint must pass through the window in many batches"
+    assert staging.alive == 0
+
+
+def test_max_inflight_bytes_too_small_for_a_tensor_is_refused_before_any_allocation(tmp_path: Path, no_leaks):
+    uri = save_hf_sharded({"big": torch.zeros(1 << 18), "small": torch.zeros(4)}, tmp_path / "ckpt", shards=1)
+    with pytest.raises(weightstream.InvalidOptionError, match=r"max_inflight_bytes=524288 cannot hold tensor 'big'"):
+        weightstream.plan_load(uri, format="streaming", max_inflight_bytes=512 << 10, chunk_bytes=256 << 10)

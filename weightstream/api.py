@@ -11,6 +11,7 @@ import torch
 
 from weightstream.errors import OptionError, TensorNotFound
 from weightstream.loaders.base import Loader
+from weightstream.memory.devices import check_fits
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan
 from weightstream.registry import get_loader
@@ -119,6 +120,8 @@ def load_weights(uri: str | os.PathLike[str], format: str = AUTO, device: str = 
         torch.bfloat16
     """
     loader, plan, opts = plan_load(uri, format, device=device, **options)
+    if torch.device(opts.device).type == "cuda":  # the readers hold a window of it; the dict keeps all of it
+        check_fits(plan.total_bytes, opts.device, plan.uri)
     if getattr(loader, "reuses_memory", False):
         opts = dataclasses.replace(opts, copy_layers=True)
     loaded: dict[str, torch.Tensor] = {}

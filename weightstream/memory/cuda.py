@@ -40,6 +40,10 @@ class CudaCopyEngine:
         # there still uses: our copies must not overtake that work.
         self._stream.wait_stream(torch.cuda.current_stream(device))
 
+    def follow_current_stream(self) -> None:
+        """Order later copies after the work queued so far on the current stream (without blocking the host)."""
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+
     def launch(self, source: torch.Tensor, destination: torch.Tensor) -> CudaCopy:
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             destination.copy_(source, non_blocking=True)
@@ -59,16 +63,24 @@ class CudaStaging:
     def __init__(self, device: str | torch.device) -> None:
         device = torch.device(device)
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self._engines: list[CudaCopyEngine] = []
 
     def engine(self) -> CudaCopyEngine:
-        return CudaCopyEngine(self.device)
+        self._engines.append(CudaCopyEngine(self.device))
+        return self._engines[-1]
 
     def allocate(self, nbytes: int, file: str) -> torch.Tensor:
+        """Device memory, allocated on the current stream (it returns to that stream's pool when the
+        caller drops it). The caching allocator may hand out a block that work queued on that stream
+        still uses (a tensor the caller dropped a moment ago): the copy streams wait for that work first."""
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         except torch.OutOfMemoryError as error:
             free, total = torch.cuda.mem_get_info(self.device)
             raise DeviceMemoryError(
                 f"{file}: cannot allocate {nbytes} bytes on {self.device} for its tensors "
                 f"({free} of {total} bytes free): {str(error).splitlines()[0]}"
             ) from None
+        for engine in self._engines:
+            engine.follow_current_stream()
+        return buffer

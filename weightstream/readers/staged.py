@@ -3,10 +3,13 @@ to its place in the destination while the readers fill the next ones.
 
 This is how bytes reach a GPU: pinned slots, ``cudaMemcpyAsync`` on a dedicated stream,
 events to recycle slots (``weightstream.memory.cuda``). With the CPU engine the same code
-runs in CI. Destination memory is allocated up front, one buffer per file; tensors are views
-of it, yielded once every copy they need has completed. Cleanup follows the host reader:
-the first failure stops the readers, in-flight copies finish, and nothing outlives the
-generator.
+runs in CI. Destination memory is the streaming reader's window (``readers.streaming``): a
+batch of tensors gets its device buffer as it enters the window and leaves it with its last
+tensor, so an engine that copies each tensor into its parameters and drops it holds its
+parameters plus the window on the GPU, never the whole checkpoint beside them. Tensors are views
+of their batch's buffer, yielded once every copy they need has completed. Cleanup follows the
+host reader: the first failure stops the readers, in-flight copies finish, and nothing outlives
+the generator.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from typing import Protocol
 import torch
 
 from weightstream.memory.devices import check_fits
+from weightstream.memory.host import view_as
 from weightstream.memory.ring import CopyEngine, CopyHandle, StagingRing
 from weightstream.options import LoadOptions
-from weightstream.planning.plan import PAGE, LoadPlan, ReadRequest, layout_file
-from weightstream.readers.files import FileHandles
-from weightstream.readers.tasks import buffer_tensor, read_request, start_readers, tensors_as_read
+from weightstream.planning.plan import PAGE, FileLayout, LoadPlan, ReadRequest, TensorSpec
+from weightstream.readers.streaming import read_windowed, window_bytes
+from weightstream.readers.tasks import read_request
 from weightstream.sources.base import Source, Store
 
 
@@ -43,32 +47,50 @@ class Staging(Protocol):
 
 
 def read_staged(store: Store, plan: LoadPlan, opts: LoadOptions, staging: Staging) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of ``plan`` in ``staging``'s memory, in completion order.
+    """Yield ``(name, tensor)`` for every tensor of ``plan`` in ``staging``'s memory, in completion order,
+    holding at most the window (``max_inflight_bytes``, or the default) of destination memory that the
+    caller has not been given yet.
 
     Example:
         >>> for name, tensor in read_staged(LocalStore(), plan, opts, CudaStaging("cuda:0")):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
-    check_fits(plan.total_bytes, opts.device, plan.uri)
+    window = window_bytes(plan, opts)
+    check_fits(window, str(staging.device), plan.uri)
     chunk_bytes = min(opts.request_bytes(plan.uri), opts.staging_slot_bytes)
-    layouts = [layout_file(plan.tensors_of(spec.path), chunk_bytes) for spec in plan.files]
-    layouts = [layout for layout in layouts if layout.tensor_offsets]
-    specs = {spec.path: spec for spec in plan.files}
     with contextlib.ExitStack() as cleanup:
-        files = cleanup.enter_context(FileHandles(store, opts))
-        sources = [files.source(specs[layout.file]) for layout in layouts]
-        destinations = [staging.allocate(layout.buffer_bytes, layout.file) for layout in layouts]
-        cleanup.callback(destinations.clear)
         ring = staging_ring(staging, opts)
         cleanup.callback(ring.close)
-        readers, stop, futures = start_readers(cleanup, opts)
-        for file_number, (layout, source) in enumerate(zip(layouts, sources, strict=True)):
-            for request_number, request in enumerate(layout.requests):
-                task = readers.submit(stage_request, source, request, destinations[file_number], ring, stop, opts)
-                futures[task] = (file_number, request_number)
-        yield from tensors_as_read(
-            layouts, futures, lambda file, tensor: buffer_tensor(layouts[file], destinations[file], tensor), on_result=ring.wait
-        )
+        yield from read_windowed(cleanup, store, plan, opts, StagedLanding(staging, ring, opts), chunk_bytes, window)
+
+
+class DeviceBatch:
+    """One batch's destination memory (uint8), with its tensors as views."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+
+    def tensor(self, offset: int, spec: TensorSpec) -> torch.Tensor:
+        return view_as(self.buffer, offset, spec)
+
+
+class StagedLanding:
+    """Batches in ``staging``'s memory; each request read into a slot of ``ring``, then copied to its place."""
+
+    def __init__(self, staging: Staging, ring: StagingRing, opts: LoadOptions) -> None:
+        self._staging = staging
+        self._ring = ring
+        self._opts = opts
+
+    def allocate(self, layout: FileLayout, source: Source) -> DeviceBatch:
+        return DeviceBatch(self._staging.allocate(layout.buffer_bytes, layout.file))
+
+    def read(self, source: Source, request: ReadRequest, memory: DeviceBatch, stop: threading.Event) -> CopyHandle | None:
+        return stage_request(source, request, memory.buffer, self._ring, stop, self._opts)
+
+    def landed(self, handle: CopyHandle | None) -> None:
+        if handle is not None:
+            self._ring.wait(handle)
 
 
 def staging_ring(staging: Staging, opts: LoadOptions) -> StagingRing:

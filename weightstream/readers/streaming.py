@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 
@@ -24,10 +26,18 @@ from weightstream.errors import InvalidOptionError
 from weightstream.memory.devices import check_fits
 from weightstream.memory.host import HostArena
 from weightstream.options import DEFAULT_INFLIGHT_BYTES, LoadOptions
-from weightstream.planning.plan import PAGE, FileLayout, LoadPlan, TensorSpec, layout_file, round_up_to_page
+from weightstream.planning.plan import (
+    PAGE,
+    FileLayout,
+    LoadPlan,
+    ReadRequest,
+    TensorSpec,
+    layout_file,
+    round_up_to_page,
+)
 from weightstream.readers.files import FileHandles
 from weightstream.readers.tasks import Completions, Waiting, read_into_arena, start_readers, wants_huge_pages
-from weightstream.sources.base import Store
+from weightstream.sources.base import Source, Store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +93,44 @@ def window_bytes(plan: LoadPlan, opts: LoadOptions) -> int:
     return opts.max_inflight_bytes
 
 
+class BatchMemory(Protocol):
+    """The memory of one batch in the window."""
+
+    def tensor(self, offset: int, spec: TensorSpec) -> torch.Tensor:
+        """The tensor ``spec`` whose bytes sit at ``offset``."""
+
+
+class Landing(Protocol):
+    """Where a windowed load's batches get their memory and how a request's bytes reach it: straight
+    into host memory (:class:`HostLanding`), or through the staging ring to a device (``readers.staged``)."""
+
+    def allocate(self, layout: FileLayout, source: Source) -> BatchMemory:
+        """Memory for a batch of ``layout.buffer_bytes``, read from ``source``."""
+
+    def read(self, source: Source, request: ReadRequest, memory: BatchMemory, stop: threading.Event) -> Any:
+        """A reader thread's task: bring ``request``'s bytes to ``memory``, unless the load stopped."""
+
+    def landed(self, result: Any) -> None:
+        """Called with a read's result before the tensors it completes are yielded (waits for a staged copy)."""
+
+
+class HostLanding:
+    """Batches in host memory (pinned if asked), each request read straight into it."""
+
+    def __init__(self, opts: LoadOptions, *, pinned: bool) -> None:
+        self._opts = opts
+        self._pinned = pinned
+
+    def allocate(self, layout: FileLayout, source: Source) -> HostArena:
+        return HostArena(layout.buffer_bytes, huge_pages=wants_huge_pages(source, self._opts), pinned=self._pinned)
+
+    def read(self, source: Source, request: ReadRequest, memory: BatchMemory, stop: threading.Event) -> None:
+        read_into_arena(source, request, memory, stop, self._opts)
+
+    def landed(self, result: None) -> None:
+        """Host reads land in place: nothing to wait for."""
+
+
 def read_streaming(store: Store, plan: LoadPlan, opts: LoadOptions, *, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of ``plan`` in completion order, within the window.
 
@@ -92,50 +140,59 @@ def read_streaming(store: Store, plan: LoadPlan, opts: LoadOptions, *, pinned: b
     """
     window = window_bytes(plan, opts)
     check_fits(window, opts.device, plan.uri)
-    batches = plan_batches(plan, opts.request_bytes(plan.uri))
+    with contextlib.ExitStack() as cleanup:
+        yield from read_windowed(cleanup, store, plan, opts, HostLanding(opts, pinned=pinned), opts.request_bytes(plan.uri), window)
+
+
+def read_windowed(
+    cleanup: contextlib.ExitStack, store: Store, plan: LoadPlan, opts: LoadOptions, landing: Landing, chunk_bytes: int, window: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The window's read loop: batches of ``chunk_bytes`` requests get memory from ``landing`` as they
+    enter a window of ``window`` bytes, and leave it with their last yielded tensor. Every resource is
+    registered with ``cleanup``, which the caller closes (after its own, registered earlier)."""
+    batches = plan_batches(plan, chunk_bytes)
     paths = list(dict.fromkeys(spec.file for spec in plan.tensors))
     specs = {spec.path: spec for spec in plan.files}
-    with contextlib.ExitStack() as cleanup:
-        files = cleanup.enter_context(FileHandles(store, opts))
-        sources = [files.source(specs[path]) for path in paths]
-        # Batch number -> its memory, while the batch is in the window. Registered first, so that it
-        # is emptied last, after the readers writing into it have stopped.
-        arenas: dict[int, HostArena] = {}
-        cleanup.callback(arenas.clear)
-        readers, stop, futures = start_readers(cleanup, opts)
-        window_state = _Window(batches, arenas, window)
-        completions = Completions()
-        while window_state.admitted < len(batches) or futures:
-            while window_state.fits_next():
-                number = window_state.admitted
-                batch = batches[number]
-                source = sources[batch.file]
-                window_state.admit(HostArena(batch.layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=pinned))
-                for request_number in range(len(batch.layout.requests)):
-                    future = readers.submit(read_into_arena, source, batch.layout.requests[request_number], arenas[number], stop, opts)
-                    futures[future] = (number, request_number)
-                    completions.add(future)
-                for tensor_number in window_state.ready_without_reads(number):
-                    named = window_state.take(number, tensor_number)
-                    yield named
-                    del named  # once yielded, the caller's tensor alone keeps the memory
-            if not futures:
-                continue
-            future = completions.next()
-            future.result()
-            number, request_number = futures.pop(future)
-            for tensor_number in window_state.request_done(number, request_number):
+    files = cleanup.enter_context(FileHandles(store, opts))
+    sources = [files.source(specs[path]) for path in paths]
+    # Batch number -> its memory, while the batch is in the window. Registered before the readers, so
+    # that it is emptied after the readers writing into it have stopped.
+    memories: dict[int, BatchMemory] = {}
+    cleanup.callback(memories.clear)
+    readers, stop, futures = start_readers(cleanup, opts)
+    window_state = _Window(batches, memories, window)
+    completions = Completions()
+    while window_state.admitted < len(batches) or futures:
+        while window_state.fits_next():
+            number = window_state.admitted
+            batch = batches[number]
+            source = sources[batch.file]
+            window_state.admit(landing.allocate(batch.layout, source))
+            for request_number, request in enumerate(batch.layout.requests):
+                future = readers.submit(landing.read, source, request, memories[number], stop)
+                futures[future] = (number, request_number)
+                completions.add(future)
+            for tensor_number in window_state.ready_without_reads(number):
                 named = window_state.take(number, tensor_number)
                 yield named
-                del named
+                del named  # once yielded, the caller's tensor alone keeps the memory
+        if not futures:
+            continue
+        future = completions.next()
+        landing.landed(future.result())
+        number, request_number = futures.pop(future)
+        for tensor_number in window_state.request_done(number, request_number):
+            named = window_state.take(number, tensor_number)
+            yield named
+            del named
 
 
 class _Window:
     """Which batches hold memory, how much, and which of their tensors are still to be yielded."""
 
-    def __init__(self, batches: list[Batch], arenas: dict[int, HostArena], limit: int) -> None:
+    def __init__(self, batches: list[Batch], memories: dict[int, BatchMemory], limit: int) -> None:
         self.batches = batches
-        self.arenas = arenas
+        self.memories = memories
         self.limit = limit
         self.held = 0
         self.admitted = 0
@@ -148,9 +205,9 @@ class _Window:
             return False
         return self.held == 0 or self.held + self.batches[self.admitted].layout.buffer_bytes <= self.limit
 
-    def admit(self, arena: HostArena) -> None:
+    def admit(self, memory: BatchMemory) -> None:
         layout = self.batches[self.admitted].layout
-        self.arenas[self.admitted] = arena
+        self.memories[self.admitted] = memory
         self.held += layout.buffer_bytes
         self._waiting[self.admitted] = Waiting(layout)
         self._unyielded[self.admitted] = len(layout.tensor_offsets)
@@ -165,10 +222,10 @@ class _Window:
     def take(self, number: int, tensor_number: int) -> tuple[str, torch.Tensor]:
         """The tensor, to be yielded; the batch leaves the window with its last tensor."""
         spec, offset = self.batches[number].layout.tensor_offsets[tensor_number]
-        named = spec.name, self.arenas[number].tensor(offset, spec)
+        named = spec.name, self.memories[number].tensor(offset, spec)
         self._unyielded[number] -= 1
         if not self._unyielded[number]:
-            del self._unyielded[number], self._waiting[number], self.arenas[number]
+            del self._unyielded[number], self._waiting[number], self.memories[number]
             self.held -= self.batches[number].layout.buffer_bytes
         return named
 

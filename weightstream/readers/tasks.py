@@ -104,14 +104,12 @@ def tensors_as_read(
     layouts: list[FileLayout],
     futures: dict[Future, tuple[int, int]],
     tensor_of: Callable[[int, int], tuple[str, torch.Tensor]],
-    on_result: Callable[[Any], None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``tensor_of(file number, tensor number)`` for each tensor as its last read completes:
     empty tensors first, then in completion order.
 
     ``futures`` maps each submitted read to its (file number, request number); a read's error is
-    raised here. ``on_result`` sees each read's result before the tensors it completes are yielded
-    (the staged reader waits for the read's copy there).
+    raised here.
     """
     waiting = [Waiting(layout) for layout in layouts]
     for file_number, tensors in enumerate(waiting):
@@ -122,9 +120,7 @@ def tensors_as_read(
         completions.add(future)
     while completions.pending:
         future = completions.next()
-        result = future.result()
-        if on_result is not None:
-            on_result(result)
+        future.result()
         file_number, request_number = futures.pop(future)
         for tensor_number in waiting[file_number].request_done(request_number):
             yield tensor_of(file_number, tensor_number)
