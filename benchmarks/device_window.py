@@ -25,7 +25,8 @@ from weightstream.options import DEFAULT_INFLIGHT_BYTES
 
 def engine_style_load(uri: str, device: str, **options: object) -> dict[str, float]:
     """Parameters first, then the weights copied in one by one; the peak device memory above the parameters."""
-    _, plan, _ = weightstream.plan_load(uri, **options, device=device)
+    with weightstream.open(uri, **options, device=device) as checkpoint:
+        plan = checkpoint.plan
     parameters = {spec.name: torch.empty(spec.shape, dtype=spec.dtype, device=device) for spec in plan.tensors}
     parameter_bytes = sum(spec.nbytes for spec in plan.tensors)
     torch.cuda.synchronize(device)

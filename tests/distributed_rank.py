@@ -90,7 +90,8 @@ def staged(uri: str, options: dict, result: dict):
         engines.append(DelayedCheckingEngine(seed=len(engines)))
         return engines[-1]
 
-    _, plan, opts = weightstream.plan_load(uri, format="distributed", staging_slots=2, staging_slot_bytes=64 << 10, **options)
+    with weightstream.open(uri, format="distributed", staging_slots=2, staging_slot_bytes=64 << 10, **options) as checkpoint:
+        plan, opts = checkpoint.plan, checkpoint.options
     yield from read_distributed(store_for(plan.uri), plan, opts, None, staging=CpuStaging(engine), stats=options["stats"])
     result["copies"] = sum(e.launched for e in engines)
     result["violations"] = [v for e in engines for v in e.violations]

@@ -26,6 +26,9 @@ LocalFile.read_into = slow
 kind, path = sys.argv[1], sys.argv[2]
 if kind == "iter_layers":
     iterator = weightstream.iter_layers(path, threads=2, chunk_bytes=4096)
+elif kind == "open":
+    checkpoint = weightstream.open(path, threads=2, chunk_bytes=4096)  # never closed either
+    iterator = checkpoint.iter_weights()
 else:
     iterator = weightstream.iter_weights(path, format=kind, threads=2, chunk_bytes=4096)
 first = next(iterator)  # held to the end: the iterator is abandoned, never closed
@@ -40,7 +43,7 @@ def many_reads(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind", ["safetensors", "streaming", "layered", "iter_layers"])
+@pytest.mark.parametrize("kind", ["safetensors", "streaming", "layered", "iter_layers", "open"])
 def test_an_abandoned_iterator_does_not_hold_the_interpreter_at_exit(many_reads: Path, kind):
     result = subprocess.run([sys.executable, "-c", SCRIPT, kind, str(many_reads)], capture_output=True, text=True, cwd=ROOT, timeout=60)
     ended = time.time()

@@ -250,7 +250,7 @@ def test_load_weights_receives_copies(tmp_path: Path, no_leaks):
     state, uri = llama(tmp_path)
     loaded = weightstream.load_weights(uri, format="layered")
     assert_same(loaded, state)
-    assert list(loaded) == [spec.name for spec in weightstream.plan_load(uri)[1].tensors], "stored order, as every loader"
+    assert list(loaded) == [spec.name for spec in weightstream.open(uri).plan.tensors], "stored order, as every loader"
 
 
 # The hook
@@ -425,7 +425,8 @@ def test_the_staged_path_reuses_device_buffers_and_yields_only_finished_copies(t
         engines.append(DelayedCheckingEngine(seed=3))
         return engines[-1]
 
-    _, plan, opts = weightstream.plan_load(uri, "layered", direct_io=direct_io, staging_slots=3, staging_slot_bytes=64 * 1024, threads=4)
+    with weightstream.open(uri, "layered", direct_io=direct_io, staging_slots=3, staging_slot_bytes=64 * 1024, threads=4) as checkpoint:
+        plan, opts = checkpoint.plan, checkpoint.options
     bases, keys = set(), []
     for key, tensors in read_layers(store_for(uri), plan, group_layers(plan.tensors), opts, pinned=False, staging=CpuStaging(engine)):
         assert_same(tensors, {name: state[name] for name in tensors})  # every copy finished before the yield

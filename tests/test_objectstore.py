@@ -55,12 +55,12 @@ def test_object_replaced_between_plan_and_read(scheme, tmp_path: Path, no_leaks)
         next(stream)
 
 
-def test_a_plan_dropped_unread_closes_its_store(scheme, tmp_path: Path, tiny_state, no_leaks):
-    """The store a plan was made through is kept for its read; a plan nobody reads takes it along."""
+def test_a_checkpoint_dropped_unread_closes_its_store(scheme, tmp_path: Path, tiny_state, no_leaks):
+    """An open checkpoint holds its store for its reads; one nobody reads (or closes) takes it along when collected."""
     uri = upload(scheme, save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=2), "dropped-plan")
-    loader, plan, opts = weightstream.plan_load(uri)
-    assert len(plan.tensors) == len(tiny_state)
-    del loader, plan, opts
+    checkpoint = weightstream.open(uri)
+    assert len(checkpoint.plan.tensors) == len(tiny_state)
+    del checkpoint
 
 
 def test_missing_object_and_prefix(scheme, no_leaks):

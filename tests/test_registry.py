@@ -17,10 +17,13 @@ from weightstream.errors import LoaderRegistrationError, UnknownFormatError
 class EchoLoader:
     name = "echo-test"
 
-    def plan(self, uri, opts):
-        return weightstream.plan_load  # never called by these tests
+    def check(self, opts):
+        pass
 
-    def iter_weights(self, plan, opts):
+    def plan(self, store, uri, opts):
+        return weightstream.open  # never called by these tests
+
+    def iter_weights(self, store, plan, opts):
         return iter(())
 
 
@@ -91,7 +94,7 @@ def test_not_a_loader(clean_registry):
         pass
 
     weightstream.register_loader("empty-test", Empty)
-    with pytest.raises(LoaderRegistrationError, match=r"lacks name, plan\(\) or iter_weights\(\)"):
+    with pytest.raises(LoaderRegistrationError, match=r"lacks name, check\(\), plan\(\) or iter_weights\(\)"):
         clean_registry.get_loader("empty-test")
 
 
@@ -102,8 +105,9 @@ def test_entry_point_group(tmp_path: Path):
         sys.modules["thirdparty_loader_imported"] = sys
         class Loader:
             name = "thirdparty"
-            def plan(self, uri, opts): return None
-            def iter_weights(self, plan, opts): return iter(())
+            def check(self, opts): pass
+            def plan(self, store, uri, opts): return None
+            def iter_weights(self, store, plan, opts): return iter(())
     """))
     dist = tmp_path / "thirdparty_loader-1.0.dist-info"
     dist.mkdir()

@@ -26,7 +26,8 @@ def staged_load(uri, staging=None, **options) -> dict[str, torch.Tensor]:
 
 
 def staged_iter(uri, staging=None, **options):
-    _, plan, opts = weightstream.plan_load(uri, **options)
+    with weightstream.open(uri, **options) as checkpoint:
+        plan, opts = checkpoint.plan, checkpoint.options
     return read_staged(store_for(plan.uri), plan, opts, staging or CpuStaging())
 
 
@@ -151,7 +152,8 @@ def test_destination_memory_is_bounded_by_the_window(tmp_path: Path, max_infligh
     largest = max(tensor.numel() * tensor.element_size() for tensor in state.values())
     uri = save_hf_sharded(state, tmp_path / "ckpt", shards=2)
     staging = CountingStaging()
-    _, plan, opts = weightstream.plan_load(uri, format="streaming", max_inflight_bytes=max_inflight_bytes, chunk_bytes=256 << 10, threads=4)
+    with weightstream.open(uri, format="streaming", max_inflight_bytes=max_inflight_bytes, chunk_bytes=256 << 10, threads=4) as checkpoint:
+        plan, opts = checkpoint.plan, checkpoint.options
     seen = set()
     for name, tensor in read_staged(store_for(plan.uri), plan, opts, staging):
         assert torch.equal(tensor, state[name])
@@ -167,4 +169,4 @@ def test_destination_memory_is_bounded_by_the_window(tmp_path: Path, max_infligh
 def test_max_inflight_bytes_too_small_for_a_tensor_is_refused_before_any_allocation(tmp_path: Path, no_leaks):
     uri = save_hf_sharded({"big": torch.zeros(1 << 18), "small": torch.zeros(4)}, tmp_path / "ckpt", shards=1)
     with pytest.raises(weightstream.InvalidOptionError, match=r"max_inflight_bytes=524288 cannot hold tensor 'big'"):
-        weightstream.plan_load(uri, format="streaming", max_inflight_bytes=512 << 10, chunk_bytes=256 << 10)
+        weightstream.open(uri, format="streaming", max_inflight_bytes=512 << 10, chunk_bytes=256 << 10)

@@ -7,9 +7,10 @@ Example:
 
 import importlib
 
-from weightstream.api import iter_layers, iter_weights, load_weights, plan_load, resolve_format
+from weightstream.api import iter_layers, iter_weights, load_weights
 from weightstream.errors import (
     BenchmarkError,
+    CheckpointClosedError,
     DeviceMemoryError,
     DeviceUnavailableError,
     EngineUnavailableError,
@@ -38,6 +39,7 @@ from weightstream.errors import (
     WeightsMismatchError,
     WeightstreamError,
 )
+from weightstream.handle import Checkpoint, CheckpointStats, TensorSlice, open, resolve_format
 from weightstream.options import LoadOptions
 from weightstream.registry import available_loaders, register_loader
 
@@ -60,6 +62,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BenchmarkError",
+    "Checkpoint",
+    "CheckpointClosedError",
+    "CheckpointStats",
     "DeviceMemoryError",
     "DeviceUnavailableError",
     "DistributedStats",
@@ -83,6 +88,7 @@ __all__ = [
     "SourceChangedError",
     "SourceError",
     "SourceTimeout",
+    "TensorSlice",
     "TensorNotFound",
     "TruncatedFileError",
     "UnknownFormatError",
@@ -93,7 +99,7 @@ __all__ = [
     "iter_layers",
     "iter_weights",
     "load_weights",
-    "plan_load",
+    "open",
     "register_loader",
     "resolve_format",
     "save_sharded_state",

@@ -1,57 +1,15 @@
-"""The one entry point every caller uses: ``load_weights`` and ``iter_weights``."""
+"""The one-call entry points: ``load_weights``, ``iter_weights`` and ``iter_layers``, each a
+:func:`weightstream.open` of the checkpoint that lives as long as the call (or the iterator)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from weightstream.errors import OptionError, TensorNotFound
-from weightstream.loaders.base import Loader
-from weightstream.memory.devices import check_fits
-from weightstream.options import LoadOptions
-from weightstream.planning.plan import LoadPlan
-from weightstream.registry import get_loader
-from weightstream.sources import REMOTE_SCHEMES
-
-AUTO = "auto"
-
-
-def resolve_format(uri: str) -> str:
-    """The format ``format="auto"`` picks for ``uri``.
-
-    Object-store URIs (``s3://``, ``gs://``, ``http(s)://``) resolve to ``"streaming"``
-    (bounded memory, completion order), local paths to ``"safetensors"``. Either reads one
-    ``.safetensors`` file, a directory (or prefix) with ``model.safetensors.index.json``, or
-    one of ``*.safetensors`` files. (Pickle files are refused by the loader.)
-
-    Example:
-        >>> resolve_format("model.safetensors"), resolve_format("s3://bucket/llama/")
-        ('safetensors', 'streaming')
-    """
-    return "streaming" if uri.startswith(REMOTE_SCHEMES) else "safetensors"
-
-
-def plan_load(uri: str | os.PathLike[str], format: str = AUTO, **options: Any) -> tuple[Loader, LoadPlan, LoadOptions]:
-    """Check the options, pick the loader and read the headers, without reading tensor data.
-
-    Example:
-        >>> loader, plan, opts = plan_load("model.safetensors")  # doctest: +SKIP
-        >>> plan.total_bytes  # doctest: +SKIP
-        268435456
-    """
-    opts = LoadOptions.from_kwargs(**options)
-    if isinstance(uri, os.PathLike):
-        uri = os.fspath(uri)
-    if not isinstance(uri, str):
-        raise OptionError(f"uri must be a path or a URI string, got {type(uri).__name__}")
-    if not isinstance(format, str):
-        raise OptionError(f"format must be a string, got {type(format).__name__}")
-    loader = get_loader(resolve_format(uri) if format == AUTO else format)
-    return loader, loader.plan(uri, opts), opts
+from weightstream.handle import AUTO, Checkpoint, open
 
 
 def iter_weights(uri: str | os.PathLike[str], format: str = AUTO, **options: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -75,8 +33,8 @@ def iter_weights(uri: str | os.PathLike[str], format: str = AUTO, **options: Any
         >>> for name, tensor in iter_weights("model/", filter=lambda n: "layers.0." in n):  # doctest: +SKIP
         ...     print(name, tuple(tensor.shape))
     """
-    loader, plan, opts = plan_load(uri, format, **options)
-    return loader.iter_weights(plan, opts)
+    checkpoint = open(uri, format, **options)
+    return _owned(checkpoint, lambda: checkpoint._iter_weights(owned=True))
 
 
 def iter_layers(uri: str | os.PathLike[str], **options: Any) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
@@ -102,8 +60,8 @@ def iter_layers(uri: str | os.PathLike[str], **options: Any) -> Iterator[tuple[s
         >>> for key, tensors in iter_layers("model/", device="cuda"):  # doctest: +SKIP
         ...     model.get_submodule(key).load_state_dict(strip_prefix(tensors, key))  # copies out of the buffer
     """
-    loader, plan, opts = plan_load(uri, "layered", **options)
-    return loader.iter_layers(plan, opts)
+    checkpoint = open(uri, "layered", **options)
+    return _owned(checkpoint, lambda: checkpoint._iter_layers(owned=True))
 
 
 def load_weights(uri: str | os.PathLike[str], format: str = AUTO, device: str = "cpu", **options: Any) -> dict[str, torch.Tensor]:
@@ -119,28 +77,14 @@ def load_weights(uri: str | os.PathLike[str], format: str = AUTO, device: str = 
         >>> weights["model.embed_tokens.weight"].dtype  # doctest: +SKIP
         torch.bfloat16
     """
-    loader, plan, opts = plan_load(uri, format, device=device, **options)
-    if torch.device(opts.device).type == "cuda":  # the readers hold a window of it; the dict keeps all of it
-        check_fits(plan.total_bytes, opts.device, plan.uri)
-    if getattr(loader, "reuses_memory", False):
-        opts = dataclasses.replace(opts, copy_layers=True)
-    loaded: dict[str, torch.Tensor] = {}
+    with open(uri, format, device=device, **options) as checkpoint:
+        return checkpoint.load()
+
+
+def _owned(checkpoint: Checkpoint, start: Any) -> Any:
+    """``start()``, the iterator that closes ``checkpoint`` when it ends; ``checkpoint`` closed if it cannot start."""
     try:
-        for name, tensor in loader.iter_weights(plan, opts):
-            loaded[name] = tensor
+        return start()
     except BaseException:
-        loaded.clear()  # a traceback keeps this frame alive; the memory must not wait for it
+        checkpoint.close()
         raise
-    return _in_stored_order(loaded, plan, opts, loader.name)
-
-
-def _in_stored_order(loaded: dict[str, torch.Tensor], plan: LoadPlan, opts: LoadOptions, loader: str) -> dict[str, torch.Tensor]:
-    """``loaded`` in the plan's order, then what a ``layer_hook`` added (or renamed) in the order it came.
-
-    Without a hook every planned tensor must be there: one missing is a loader's failure, not a result."""
-    ordered = {spec.name: loaded[spec.name] for spec in plan.tensors if spec.name in loaded}
-    if opts.layer_hook is None and len(ordered) < len(plan.tensors):
-        missing = next(spec.name for spec in plan.tensors if spec.name not in loaded)
-        raise TensorNotFound(f"{plan.uri}: the {loader} loader ended without yielding tensor {missing!r}")
-    ordered.update((name, tensor) for name, tensor in loaded.items() if name not in ordered)
-    return ordered

@@ -17,7 +17,7 @@ import time
 import unicodedata
 from collections.abc import Sequence
 
-from weightstream.api import plan_load
+import weightstream
 from weightstream.bench.demo import GIB, demo_checkpoint
 from weightstream.bench.methods import METHODS_BY_DEVICE
 from weightstream.bench.runner import CACHES, check_device, format_table, plot, run_bench
@@ -71,7 +71,8 @@ def _escape(character: str) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    _, plan, _ = plan_load(args.uri, args.format)
+    with weightstream.open(args.uri, args.format) as checkpoint:
+        plan = checkpoint.plan
     if args.json:
         print(json.dumps({
             "uri": args.uri,
@@ -110,17 +111,18 @@ def _load(args: argparse.Namespace) -> int:
     if bar is not None:
         options["progress"] = bar.advance
     start = time.perf_counter()
-    loader, plan, opts = plan_load(args.uri, args.format, **options)
     count, nbytes, first = 0, 0, None
-    with contextlib.nullcontext() if bar is None else bar.expecting(plan.total_bytes):
-        for _, tensor in loader.iter_weights(plan, opts):
+    checkpoint = weightstream.open(args.uri, args.format, **options)
+    with checkpoint, contextlib.nullcontext() if bar is None else bar.expecting(checkpoint.plan.total_bytes):
+        for _, tensor in checkpoint.iter_weights():
             first = first if first is not None else time.perf_counter() - start
             count, nbytes = count + 1, nbytes + tensor.numel() * tensor.element_size()
     seconds = time.perf_counter() - start
-    result = {"uri": args.uri, "format": loader.name, "device": opts.device, "tensors": count, "bytes": nbytes, "seconds": seconds,
+    loader = checkpoint.format
+    result = {"uri": args.uri, "format": loader, "device": checkpoint.options.device, "tensors": count, "bytes": nbytes, "seconds": seconds,
               "gbps": nbytes / seconds / 1e9, "first_tensor_seconds": first}
     return _report(args.json, result, f"loaded {count} tensors, {nbytes / 2**30:.3f} GiB in {seconds:.3f} s: {result['gbps']:.2f} GB/s "
-                                      f"(first tensor after {1000 * (first or 0):.0f} ms) with the {loader.name} loader")
+                                      f"(first tensor after {1000 * (first or 0):.0f} ms) with the {loader} loader")
 
 
 def _report(as_json: bool, result: dict, text: str) -> int:
@@ -155,7 +157,8 @@ def _convert(args: argparse.Namespace) -> int:
     if args.to != "sharded-state":
         raise InvalidOptionError(f"--to {args.to!r}: the one conversion is to sharded-state")
     rules = [parse_rule(text) for text in args.rule or []] + list(LLAMA_RULES)
-    _, plan, _ = plan_load(args.src)
+    with weightstream.open(args.src) as checkpoint:
+        plan = checkpoint.plan
     bar = ProgressBar(label="convert") if sys.stderr.isatty() and not args.json else None
     start = time.perf_counter()
     # What the ranks write together: a split tensor once in all, a replicated one once per rank.

@@ -95,6 +95,10 @@ class TensorNotFound(WeightstreamError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class CheckpointClosedError(WeightstreamError, ValueError):
+    """A :class:`weightstream.Checkpoint` (or an iterator it returned) was used after ``close()``."""
+
+
 class DeviceUnavailableError(WeightstreamError, RuntimeError):
     """The requested destination (a CUDA device, pinned memory) does not exist on this machine."""
 

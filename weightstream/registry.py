@@ -53,8 +53,9 @@ def register_loader(name: str, loader: Union[str, type, None] = None, *, clobber
         >>> @register_loader("my-format")
         ... class MyLoader:
         ...     name = "my-format"
-        ...     def plan(self, uri, opts): ...
-        ...     def iter_weights(self, plan, opts): ...
+        ...     def check(self, opts): ...
+        ...     def plan(self, store, uri, opts): ...
+        ...     def iter_weights(self, store, plan, opts): ...
     """
     if loader is None:
         def decorate(cls: LoaderClass) -> LoaderClass:
@@ -103,7 +104,7 @@ def get_loader(name: str) -> Loader:
     cls = _import(name, entry) if isinstance(entry, str) else entry
     instance = cls()
     if not isinstance(instance, Loader):
-        raise LoaderRegistrationError(f"format {name!r}: {_describe(cls)} lacks name, plan() or iter_weights()")
+        raise LoaderRegistrationError(f"format {name!r}: {_describe(cls)} lacks name, check(), plan() or iter_weights()")
     return instance
 
 

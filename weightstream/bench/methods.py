@@ -6,6 +6,7 @@ The ``limit-*`` methods are not loaders: they measure what the machine allows.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import mmap
 import os
@@ -46,8 +47,8 @@ def weightstream_ring_cpu(uri: str, files: list[str]) -> Iterator[tuple[str, tor
     from weightstream.readers.staged import read_staged
     from weightstream.sources import store_for
 
-    _, plan, opts = weightstream.plan_load(uri)
-    yield from read_staged(store_for(plan.uri), plan, opts, CpuStaging())
+    with weightstream.open(uri) as checkpoint, contextlib.closing(store_for(uri)) as store:
+        yield from read_staged(store, checkpoint.plan, checkpoint.options, CpuStaging())
 
 
 def safetensors_load_file(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

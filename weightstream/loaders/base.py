@@ -9,21 +9,28 @@ import torch
 
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan
+from weightstream.sources.base import Store
 
 
 @runtime_checkable
 class Loader(Protocol):
     """A loading strategy, registered under ``name``.
 
-    ``plan`` reads only what it must (headers, indexes) and rejects any option it cannot
-    honour before a byte of tensor data is read. ``iter_weights`` yields ``(name, tensor)``
-    pairs and, on any error, stops its workers and releases its memory before raising.
+    The caller (a :class:`weightstream.Checkpoint`) opens one store for the checkpoint and hands
+    it to every call; the loader reads through it and never closes it. ``check`` refuses any
+    option the loader cannot honour, before any I/O. ``plan`` reads only what it must (headers,
+    indexes). ``iter_weights`` yields ``(name, tensor)`` pairs of a plan it made (or a part of one:
+    the same files, fewer tensors) and, on any error, stops its workers and releases its memory
+    before raising.
     """
 
     name: ClassVar[str]
 
-    def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
+    def check(self, opts: LoadOptions) -> None:
+        """Raise ``InvalidOptionError`` for an option this loader cannot honour; no I/O."""
+
+    def plan(self, store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
         """Resolve ``uri`` into the tensors to read."""
 
-    def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         """Read the plan's tensors and yield them as they complete."""

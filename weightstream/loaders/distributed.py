@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -10,7 +9,6 @@ import torch
 
 from weightstream.errors import InvalidOptionError
 from weightstream.loaders.safetensors import plan_checkpoint
-from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan
@@ -27,10 +25,7 @@ class DistributedLoader:
 
     name: ClassVar[str] = "distributed"
 
-    def __init__(self) -> None:
-        self._stores = PlannedStores()
-
-    def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
+    def check(self, opts: LoadOptions) -> None:
         opts.refuse_foreign(self.name)
         opts.refuse({
             "zero_copy": "maps whole files; each rank here reads only its share",
@@ -39,14 +34,17 @@ class DistributedLoader:
         if opts.stats is not None and not isinstance(opts.stats, DistributedStats):
             raise InvalidOptionError(f"stats must be a weightstream.DistributedStats, got {type(opts.stats).__name__}")
         check_destination(opts.device, opts.pin_memory)
+        _group_of(opts)
+
+    def plan(self, store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
         group = _group_of(opts)
         device = torch.device(opts.device) if torch.device(opts.device).type == "cuda" else torch.device("cpu")
         with told_to_peers(group, device, uri, "planning"):  # a rank that cannot plan (a missing file) tells the others
-            return self._stores.plan(uri, opts, lambda store: plan_checkpoint(store, uri, opts))
+            return plan_checkpoint(store, uri, opts)
 
-    def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         pinned = check_destination(opts.device, opts.pin_memory)
-        return _read_and_close(self._stores.take(plan, opts), plan, opts, _group_of(opts), pinned)
+        return _read(store, plan, opts, _group_of(opts), pinned)
 
 
 TRANSPORTS = {"cpu": "gloo", "cuda": "nccl"}
@@ -66,11 +64,10 @@ def _group_of(opts: LoadOptions) -> Any:
     return opts.process_group
 
 
-def _read_and_close(store: Store, plan: LoadPlan, opts: LoadOptions, group: Any, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    with contextlib.closing(store):
-        if torch.device(opts.device).type == "cuda":
-            from weightstream.memory.cuda import CudaStaging
+def _read(store: Store, plan: LoadPlan, opts: LoadOptions, group: Any, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    if torch.device(opts.device).type == "cuda":
+        from weightstream.memory.cuda import CudaStaging
 
-            yield from read_distributed(store, plan, opts, group, staging=CudaStaging(opts.device), stats=opts.stats)
-        else:
-            yield from read_distributed(store, plan, opts, group, pinned=pinned, stats=opts.stats)
+        yield from read_distributed(store, plan, opts, group, staging=CudaStaging(opts.device), stats=opts.stats)
+    else:
+        yield from read_distributed(store, plan, opts, group, pinned=pinned, stats=opts.stats)

@@ -11,7 +11,6 @@ import torch
 
 from weightstream.errors import InvalidOptionError
 from weightstream.loaders.safetensors import plan_checkpoint
-from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.planning.layers import Layer, group_layers
@@ -36,10 +35,7 @@ class LayeredLoader:
     reuses_memory: ClassVar[bool] = True
     """Yielded tensors share buffers that later layers reuse: ``load_weights``, which keeps them all, asks for copies."""
 
-    def __init__(self) -> None:
-        self._stores = PlannedStores()
-
-    def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
+    def check(self, opts: LoadOptions) -> None:
         opts.refuse({
             "zero_copy": "maps whole files, while this loader reads into buffers it reuses; use format='safetensors'",
             "max_inflight_bytes": "this loader's memory is bounded by prefetch_layers instead",
@@ -49,34 +45,31 @@ class LayeredLoader:
             raise InvalidOptionError("gds=True: the layered loader reaches a GPU through the pinned staging ring, not cuFile")
         check_destination(opts.device, opts.pin_memory)
 
-        def make(store: Store) -> LoadPlan:
-            plan = plan_checkpoint(store, uri, opts)
-            group_layers(plan.tensors, opts.layer_rule)  # a rule that fails on a name fails here, before any read
-            return plan
+    def plan(self, store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
+        plan = plan_checkpoint(store, uri, opts)
+        group_layers(plan.tensors, opts.layer_rule)  # a rule that fails on a name fails here, before any read
+        return plan
 
-        return self._stores.plan(uri, opts, make)
-
-    def iter_layers(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, Tensors]]:
+    def iter_layers(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, Tensors]]:
         """Yield ``(layer key, {name: tensor})`` for each layer of ``plan``, in layer order."""
         pinned = check_destination(opts.device, opts.pin_memory)
         layers = group_layers(plan.tensors, opts.layer_rule)
-        return _read_and_close(self._stores.take(plan, opts), plan, layers, opts, pinned)
+        return _read(store, plan, layers, opts, pinned)
 
-    def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors of :meth:`iter_layers`, one by one: layer after layer, each in stored order."""
-        return _one_by_one(self.iter_layers(plan, opts))
+        return _one_by_one(self.iter_layers(store, plan, opts))
 
 
-def _read_and_close(store: Store, plan: LoadPlan, layers: list[Layer], opts: LoadOptions, pinned: bool) -> Iterator[tuple[str, Tensors]]:
-    with contextlib.closing(store):
-        staging = None
-        if torch.device(opts.device).type == "cuda":
-            from weightstream.memory.cuda import CudaStaging
+def _read(store: Store, plan: LoadPlan, layers: list[Layer], opts: LoadOptions, pinned: bool) -> Iterator[tuple[str, Tensors]]:
+    staging = None
+    if torch.device(opts.device).type == "cuda":
+        from weightstream.memory.cuda import CudaStaging
 
-            if opts.gds == "auto":
-                log.info("gds='auto': the layered loader reads through the staging ring")
-            staging = CudaStaging(opts.device)
-        yield from read_layers(store, plan, layers, opts, pinned=pinned, staging=staging)
+        if opts.gds == "auto":
+            log.info("gds='auto': the layered loader reads through the staging ring")
+        staging = CudaStaging(opts.device)
+    yield from read_layers(store, plan, layers, opts, pinned=pinned, staging=staging)
 
 
 def _one_by_one(layers: Iterator[tuple[str, Tensors]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
 
 from weightstream.errors import InvalidOptionError
-from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.planning.checkpoint import CheckpointFiles, read_plan
@@ -30,10 +28,7 @@ class SafetensorsLoader:
 
     name: ClassVar[str] = "safetensors"
 
-    def __init__(self) -> None:
-        self._stores = PlannedStores()
-
-    def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
+    def check(self, opts: LoadOptions) -> None:
         if opts.max_inflight_bytes is not None:
             raise InvalidOptionError(
                 f"max_inflight_bytes: the {self.name} loader holds the whole checkpoint; "
@@ -41,11 +36,13 @@ class SafetensorsLoader:
             )
         opts.refuse_foreign(self.name)
         check_destination(opts.device, opts.pin_memory)
-        return self._stores.plan(uri, opts, lambda store: plan_checkpoint(store, uri, opts))
 
-    def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+    def plan(self, store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
+        return plan_checkpoint(store, uri, opts)
+
+    def iter_weights(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         check_destination(opts.device, opts.pin_memory)
-        return _read_and_close(self._stores.take(plan, opts), plan, opts)
+        return read_tensors(store, plan, opts)
 
 
 def plan_checkpoint(store: Store, uri: str, opts: LoadOptions, checkpoint: CheckpointFiles | None = None) -> LoadPlan:
@@ -55,11 +52,6 @@ def plan_checkpoint(store: Store, uri: str, opts: LoadOptions, checkpoint: Check
         _check_remote_options(uri, opts)
     required = opts.filter if opts.filter is not None and not callable(opts.filter) else ()
     return read_plan(store, uri, opts.wants, required, checkpoint)
-
-
-def _read_and_close(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
-    with contextlib.closing(store):
-        yield from read_tensors(store, plan, opts)
 
 
 def _check_remote_options(uri: str, opts: LoadOptions) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import weakref
+import dataclasses
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -37,7 +37,6 @@ from weightstream.formats.sharded_state import (
     is_rank,
 )
 from weightstream.loaders.safetensors import plan_checkpoint
-from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.planning.checkpoint import CheckpointFiles, read_small_file
@@ -59,38 +58,36 @@ class ShardedStateLoader:
 
     name: ClassVar[str] = "sharded-state"
 
-    def __init__(self) -> None:
-        self._stores = PlannedStores()
-        self._manifests: dict[int, Manifest | None] = {}
-
-    def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
+    def check(self, opts: LoadOptions) -> None:
         opts.refuse_foreign(self.name)
         opts.refuse({"max_inflight_bytes": "this loader holds its rank's whole state; use format='streaming' for a window"})
         if opts.verify and torch.device(opts.device).type == "cuda":
             raise InvalidOptionError("verify=True checks bytes on the host: load to the CPU (or pinned memory), then move them")
         check_destination(opts.device, opts.pin_memory)
+        _rank_of(opts)
+
+    def plan(self, store: Store, uri: str, opts: LoadOptions) -> ShardedStatePlan:
         rank, world_size = _rank_of(opts)
-        found: list[Manifest | None] = []
+        paths, manifest = rank_files(store, uri, rank, world_size, opts)
+        plan = plan_checkpoint(store, uri, opts, CheckpointFiles(files=tuple(paths)))
+        if manifest is not None:
+            _check_against_manifest(store, plan, manifest, paths)
+        elif opts.verify:
+            raise InvalidOptionError(f"verify=True: {uri} has no manifest for this rank, so no checksums to verify against")
+        return ShardedStatePlan(plan.uri, plan.files, plan.tensors, manifest)
 
-        def make(store: Store) -> LoadPlan:
-            paths, manifest = rank_files(store, uri, rank, world_size, opts)
-            plan = plan_checkpoint(store, uri, opts, CheckpointFiles(files=tuple(paths)))
-            if manifest is not None:
-                _check_against_manifest(store, plan, manifest, paths)
-            found.append(manifest)
-            return plan
-
-        plan = self._stores.plan(uri, opts, make)
-        self._manifests[id(plan)] = found[0]
-        weakref.finalize(plan, self._manifests.pop, id(plan), None)
-        return plan
-
-    def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         check_destination(opts.device, opts.pin_memory)
-        manifest = self._manifests.pop(id(plan), None)
-        if opts.verify and manifest is None:
-            raise InvalidOptionError(f"verify=True: {plan.uri} has no manifest for this rank, so no checksums to verify against")
-        return _read_and_close(self._stores.take(plan, opts), plan, opts, manifest)
+        if not isinstance(plan, ShardedStatePlan):
+            raise InvalidOptionError(f"{plan.uri}: the sharded-state loader reads the plans it made (with their manifest), not a {type(plan).__name__}")
+        return _read(store, plan, opts, plan.manifest)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedStatePlan(LoadPlan):
+    """A rank's plan, with the manifest its files were checked against (``None``: an engine's own save)."""
+
+    manifest: Manifest | None = None
 
 
 def rank_files(store: Store, uri: str, rank: Rank | None, world_size: Rank | None, opts: LoadOptions) -> tuple[list[str], Manifest | None]:
@@ -219,22 +216,21 @@ def _check_against_manifest(store: Store, plan: LoadPlan, manifest: Manifest, pa
                 )
 
 
-def _read_and_close(store: Store, plan: LoadPlan, opts: LoadOptions, manifest: Manifest | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _read(store: Store, plan: LoadPlan, opts: LoadOptions, manifest: Manifest | None) -> Iterator[tuple[str, torch.Tensor]]:
     """Read the plan (checking every tensor with ``verify``); with a manifest, check at the end that the
     rank was not saved again meanwhile: the manifest a save rewrites must be the one planned."""
-    with contextlib.closing(store):
-        if manifest is None:
-            yield from read_tensors(store, plan, opts)
-            return
-        checksums = _checksums_by_tensor(plan, manifest) if opts.verify else {}
-        if opts.verify:
-            _verify_headers(store, plan, manifest)
-        with contextlib.closing(read_tensors(store, plan, opts)) as tensors:
-            for name, tensor in tensors:
-                if opts.verify:
-                    _verify_tensor(name, tensor, checksums[name], manifest.checksum)
-                yield name, tensor
-        _check_same_save(store, plan.uri, manifest)
+    if manifest is None:
+        yield from read_tensors(store, plan, opts)
+        return
+    checksums = _checksums_by_tensor(plan, manifest) if opts.verify else {}
+    if opts.verify:
+        _verify_headers(store, plan, manifest)
+    with contextlib.closing(read_tensors(store, plan, opts)) as tensors:
+        for name, tensor in tensors:
+            if opts.verify:
+                _verify_tensor(name, tensor, checksums[name], manifest.checksum)
+            yield name, tensor
+    _check_same_save(store, plan.uri, manifest)
 
 
 def _check_same_save(store: Store, uri: str, manifest: Manifest) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -10,7 +9,6 @@ import torch
 
 from weightstream.errors import InvalidOptionError
 from weightstream.loaders.safetensors import plan_checkpoint
-from weightstream.loaders.stores import PlannedStores
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan
@@ -29,19 +27,18 @@ class StreamingLoader:
 
     name: ClassVar[str] = "streaming"
 
-    def __init__(self) -> None:
-        self._stores = PlannedStores()
-
-    def plan(self, uri: str, opts: LoadOptions) -> LoadPlan:
+    def check(self, opts: LoadOptions) -> None:
         if opts.zero_copy:
             raise InvalidOptionError("zero_copy maps whole files: the streaming loader reads into memory of its own")
         opts.refuse_foreign(self.name)
         check_destination(opts.device, opts.pin_memory)
-        return self._stores.plan(uri, opts, lambda store: _fits_window(plan_checkpoint(store, uri, opts), opts))
 
-    def iter_weights(self, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+    def plan(self, store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
+        return _fits_window(plan_checkpoint(store, uri, opts), opts)
+
+    def iter_weights(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         pinned = check_destination(opts.device, opts.pin_memory)
-        return _stream_and_close(self._stores.take(plan, opts), plan, opts, pinned)
+        return _stream(store, plan, opts, pinned)
 
 
 def _fits_window(plan: LoadPlan, opts: LoadOptions) -> LoadPlan:
@@ -55,12 +52,11 @@ def _fits_window(plan: LoadPlan, opts: LoadOptions) -> LoadPlan:
     return plan
 
 
-def _stream_and_close(store: Store, plan: LoadPlan, opts: LoadOptions, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    with contextlib.closing(store):
-        if torch.device(opts.device).type == "cuda":
-            from weightstream.memory.cuda import CudaStaging
-            from weightstream.readers.staged import read_staged
+def _stream(store: Store, plan: LoadPlan, opts: LoadOptions, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    if torch.device(opts.device).type == "cuda":
+        from weightstream.memory.cuda import CudaStaging
+        from weightstream.readers.staged import read_staged
 
-            yield from read_staged(store, plan, opts, CudaStaging(opts.device))
-        else:
-            yield from read_streaming(store, plan, opts, pinned=pinned)
+        yield from read_staged(store, plan, opts, CudaStaging(opts.device))
+    else:
+        yield from read_streaming(store, plan, opts, pinned=pinned)

@@ -1,0 +1,306 @@
+"""weightstream.open: one store and one plan from open to close, tensors and slices read through them."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import weightstream
+from tests.conftest import save_hf_sharded
+from weightstream import handle, registry
+from weightstream.formats.writer import write_safetensors
+from weightstream.planning.plan import LoadPlan
+from weightstream.sources.local import LocalStore
+
+SLICED = {
+    "rows.f32": torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48),
+    "cube.bf16": torch.randn(6, 10, 12, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16),
+    "four.i16": torch.arange(3 * 4 * 5 * 6, dtype=torch.int16).reshape(3, 4, 5, 6),
+    "vector.u8": torch.arange(200, dtype=torch.uint8),
+    "scalar.f64": torch.tensor(2.5, dtype=torch.float64),
+    "empty.f32": torch.zeros(0, 7),
+}
+
+
+class CountingStore(LocalStore):
+    """A local store that counts the bytes read through it, the stores made and closed."""
+
+    made: ClassVar[list[CountingStore]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read_bytes = 0
+        self.closed = False
+        CountingStore.made.append(self)
+
+    def _counted(self, source):
+        read_into = source.read_into  # a local file's read() goes through it
+
+        def counted_read_into(offset, buffer):
+            self.read_bytes += len(buffer)
+            return read_into(offset, buffer)
+
+        source.read_into = counted_read_into
+        return source
+
+    def open(self, uri, *, direct=False):  # open_pinned() opens through it
+        return self._counted(super().open(uri, direct=direct))
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    CountingStore.made = []
+    monkeypatch.setattr(handle, "store_for", lambda uri, *args: CountingStore())
+    return CountingStore.made
+
+
+@pytest.fixture(scope="module")
+def sliced_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("slices") / "sliced.safetensors"
+    write_safetensors(path, SLICED)
+    return path
+
+
+def test_names_metadata_and_tensors(tmp_path: Path, tiny_state, no_leaks):
+    uri = save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=2)
+    with weightstream.open(uri) as checkpoint:
+        assert set(checkpoint.keys()) == set(tiny_state)
+        assert checkpoint.keys() == [spec.name for spec in checkpoint.plan.tensors]
+        assert checkpoint.metadata() == {"format": "pt"}
+        assert checkpoint.metadata(checkpoint.plan.files[0].path) == {"format": "pt"}
+        assert checkpoint.format == "safetensors"
+        name = "model.layers.1.mlp.down_proj.weight"
+        assert name in checkpoint
+        assert torch.equal(checkpoint.get_tensor(name), tiny_state[name])
+        loaded = dict(checkpoint.iter_weights())
+        assert loaded.keys() == tiny_state.keys() and all(torch.equal(loaded[n], tiny_state[n]) for n in tiny_state)
+        stats = checkpoint.stats
+        total = sum(tensor.nbytes for tensor in tiny_state.values())
+        assert stats.tensors == len(tiny_state) + 1
+        assert stats.tensor_bytes == total + tiny_state[name].nbytes == stats.read_bytes
+        assert stats.plan_seconds > 0 and stats.wait_seconds > 0
+    assert checkpoint.closed
+
+
+def test_one_store_from_open_to_close(tmp_path: Path, tiny_state, counting, no_leaks):
+    """Headers, tensors, slices and layers all go through the store opened once; closing closes it."""
+    uri = save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=2)
+    with weightstream.open(uri) as checkpoint:
+        checkpoint.get_tensor("model.norm.weight")
+        checkpoint.get_slice("model.embed_tokens.weight")[:2]
+        dict(checkpoint.iter_weights())
+        assert sum(1 for _ in checkpoint.iter_layers()) > 2
+        assert len(counting) == 1 and not counting[0].closed
+    assert counting[0].closed
+
+
+def test_a_dropped_checkpoint_closes_its_store(tmp_path: Path, tiny_state, counting, no_leaks):
+    checkpoint = weightstream.open(save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=1))
+    del checkpoint
+    gc.collect()
+    assert counting[0].closed
+
+
+def test_get_tensor_reads_only_that_tensor(tmp_path: Path, counting, no_leaks):
+    state = {"small": torch.ones(16), "big": torch.zeros(4 << 20, dtype=torch.uint8)}
+    path = tmp_path / "two.safetensors"
+    write_safetensors(path, state)
+    with weightstream.open(path) as checkpoint:
+        header_bytes = counting[0].read_bytes
+        assert torch.equal(checkpoint.get_tensor("small"), state["small"])
+        assert counting[0].read_bytes - header_bytes <= 8192, "more than the tensor's pages were read"
+
+
+def test_an_unknown_tensor_names_the_closest(tmp_path: Path, tiny_state, no_leaks):
+    with weightstream.open(save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=1)) as checkpoint:
+        with pytest.raises(weightstream.TensorNotFound, match=r"no tensor 'model.norm.weigth' among its \d+ selected tensors; did you mean 'model.norm.weight'\?"):
+            checkpoint.get_tensor("model.norm.weigth")
+        with pytest.raises(weightstream.TensorNotFound, match=r"no tensor 'nothing-like-it'.*tensors$"):
+            checkpoint.get_slice("nothing-like-it")
+
+
+def test_metadata_that_disagrees_between_files_is_an_error(tmp_path: Path, no_leaks):
+    write_safetensors(tmp_path / "a.safetensors", {"a": torch.ones(2)}, metadata={"format": "pt", "step": "1"})
+    write_safetensors(tmp_path / "b.safetensors", {"b": torch.ones(2)}, metadata={"format": "pt", "step": "2"})
+    with weightstream.open(tmp_path) as checkpoint:
+        with pytest.raises(weightstream.HeaderError, match=r"metadata 'step' is '1' in .*a.safetensors and '2' in .*b.safetensors; ask for one file's"):
+            checkpoint.metadata()
+        assert checkpoint.metadata(str(tmp_path / "b.safetensors")) == {"format": "pt", "step": "2"}
+        with pytest.raises(weightstream.TensorNotFound, match=r"'c.safetensors' is not one of its files"):
+            checkpoint.metadata("c.safetensors")
+
+
+def test_close_stops_every_iterator(tmp_path: Path, tiny_state, no_leaks):
+    uri = save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=2)
+    checkpoint = weightstream.open(uri, threads=2, chunk_bytes=4096)
+    weights, layers = checkpoint.iter_weights(), checkpoint.iter_layers()
+    next(weights), next(layers)
+    checkpoint.close()
+    for iterator in (weights, layers):
+        with pytest.raises(weightstream.CheckpointClosedError, match=r"the checkpoint was closed while this iterator was open"):
+            next(iterator)
+    for use in (lambda: checkpoint.get_tensor("model.norm.weight"), checkpoint.iter_weights, lambda: checkpoint.get_slice("model.norm.weight")):
+        with pytest.raises(weightstream.CheckpointClosedError, match=r"the checkpoint is closed"):
+            use()
+    checkpoint.close()  # idempotent
+
+
+def test_iter_weights_closes_the_checkpoint_it_opened(tmp_path: Path, tiny_state, counting, no_leaks):
+    uri = save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=2)
+    assert len(dict(weightstream.iter_weights(uri))) == len(tiny_state)
+    stopped = weightstream.iter_layers(uri)
+    next(stopped)
+    stopped.close()
+    assert [store.closed for store in counting] == [True, True]
+
+
+def test_iter_layers_of_a_checkpoint_opened_for_another_loader_checks_its_options(tmp_path: Path, tiny_state, no_leaks):
+    checkpoint = weightstream.open(save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=1), zero_copy=True)
+    with checkpoint, pytest.raises(weightstream.InvalidOptionError, match=r"zero_copy=True: maps whole files"):
+        checkpoint.iter_layers()
+
+
+def test_a_file_replaced_after_open_is_not_read(tmp_path: Path, no_leaks):
+    path = tmp_path / "one.safetensors"
+    write_safetensors(path, {"w": torch.ones(1024)})
+    with weightstream.open(path) as checkpoint:
+        write_safetensors(tmp_path / "new.safetensors", {"w": torch.full((1024,), 2.0)})
+        os.replace(tmp_path / "new.safetensors", path)
+        with pytest.raises(weightstream.SourceChangedError, match=r"one.safetensors"):
+            checkpoint.get_tensor("w")
+        with pytest.raises(weightstream.SourceChangedError, match=r"one.safetensors"):
+            checkpoint.get_slice("w")[:10]
+
+
+def test_load_is_every_tensor_in_stored_order(tmp_path: Path, tiny_state, no_leaks):
+    with weightstream.open(save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=2), format="layered") as checkpoint:
+        loaded = checkpoint.load()
+        assert list(loaded) == checkpoint.keys()
+        assert all(torch.equal(loaded[name], tiny_state[name]) for name in tiny_state)
+
+
+def test_a_third_party_loader_reads_through_the_store_it_is_given(tmp_path: Path, monkeypatch, no_leaks):
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    calls = []
+
+    @registry.register_loader("constant-test")
+    class ConstantLoader:
+        name = "constant-test"
+
+        def check(self, opts):
+            calls.append("check")
+
+        def plan(self, store, uri, opts):
+            calls.append(("plan", store.is_dir(uri)))
+            return LoadPlan(uri, (), ())
+
+        def iter_weights(self, store, plan, opts):
+            calls.append(("read", type(store).__name__))
+            yield "answer", torch.tensor(42)
+
+    assert weightstream.load_weights(tmp_path, format="constant-test") == {"answer": torch.tensor(42)}
+    assert calls == ["check", ("plan", True), ("read", "LocalStore")]
+
+
+# Slices
+
+
+def test_rows_are_one_read_of_exactly_their_bytes(tmp_path: Path, counting, no_leaks):
+    rows = torch.randn(4096, 256)
+    path = tmp_path / "rows.safetensors"
+    write_safetensors(path, {"rows": rows})
+    with weightstream.open(path) as checkpoint:
+        before = counting[0].read_bytes
+        part = checkpoint.get_slice("rows")[1000:1010]
+        assert torch.equal(part, rows[1000:1010])
+        assert checkpoint.stats.read_bytes == 10 * 256 * 4
+        assert counting[0].read_bytes - before == 10 * 256 * 4, "a dim-0 slice read more than its bytes"
+
+
+def test_strided_selections_read_a_fraction_of_the_tensor(tmp_path: Path, counting, no_leaks):
+    big = torch.randn(512, 8192)  # 16 MiB, rows of 32 KiB
+    path = tmp_path / "big.safetensors"
+    write_safetensors(path, {"big": big})
+    with weightstream.open(path) as checkpoint:
+        before = counting[0].read_bytes
+        every_64th = checkpoint.get_slice("big")[::64, 100:200]
+        assert torch.equal(every_64th, big[::64, 100:200])
+        assert counting[0].read_bytes - before < big.nbytes // 16, "a strided slice read most of the tensor"
+        assert checkpoint.stats.read_bytes < big.nbytes // 16
+
+
+def test_slice_shape_and_dtype_as_safetensors(sliced_file: Path, no_leaks):
+    with weightstream.open(sliced_file) as checkpoint:
+        view = checkpoint.get_slice("cube.bf16")
+        assert (view.shape, view.dtype, view.get_shape(), view.get_dtype()) == ((6, 10, 12), torch.bfloat16, [6, 10, 12], "BF16")
+        assert repr(view) == "<weightstream.TensorSlice 'cube.bf16' BF16 [6, 10, 12]>"
+
+
+@pytest.mark.parametrize("index, error, message", [
+    ((0, 0, 0), IndexError, r"too many indices for a tensor of 2 dimensions: 3"),
+    (64, IndexError, r"index 64 is out of bounds for dimension 0 with size 64"),
+    ((slice(None), -49), IndexError, r"index -49 is out of bounds for dimension 1 with size 48"),
+    (slice(None, None, -1), ValueError, r"dimension 0: slice step must be a positive integer"),
+    (slice(None, None, 0), ValueError, r"dimension 0: slice step must be a positive integer"),
+    ((Ellipsis, Ellipsis), IndexError, r"a single ellipsis"),
+    (None, TypeError, r"a slice index is an int, a slice or '...', got NoneType"),
+    (True, TypeError, r"got bool"),
+    (slice(1.5, None), TypeError, r"dimension 0: slice bounds are integers, got 1.5"),
+])
+def test_bad_slice_indices_are_refused(sliced_file: Path, index, error, message, no_leaks):
+    with weightstream.open(sliced_file) as checkpoint, pytest.raises(error, match=message):
+        checkpoint.get_slice("rows.f32")[index]
+
+
+def test_verify_refuses_slices(tmp_path: Path, no_leaks):
+    weightstream.save_sharded_state({"w": torch.ones(8, 4)}, tmp_path / "state", rank=0, world_size=1)
+    with weightstream.open(tmp_path / "state", format="sharded-state", verify=True) as checkpoint:
+        assert torch.equal(checkpoint.get_tensor("w"), torch.ones(8, 4))
+        with pytest.raises(weightstream.InvalidOptionError, match=r"verify=True checks whole tensors against their checksums; 'w'\[...\] reads part of one"):
+            checkpoint.get_slice("w")
+
+
+def _part(size: int):
+    bound = st.integers(-size - 2, size + 2) | st.none()
+    return st.integers(-size, size - 1) | st.builds(slice, bound, bound, st.integers(1, size + 1) | st.none()) if size else st.builds(slice, st.none(), st.none())
+
+
+@st.composite
+def tensor_and_index(draw):
+    name = draw(st.sampled_from(sorted(SLICED)))
+    shape = SLICED[name].shape
+    parts = [draw(_part(size)) for size in shape[:draw(st.integers(0, len(shape)))]]
+    if draw(st.booleans()):
+        parts.insert(draw(st.integers(0, len(parts))), Ellipsis)
+    return name, tuple(parts) if draw(st.booleans()) or len(parts) != 1 else parts[0]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=tensor_and_index(), run_cost=st.sampled_from([0, 64, 1 << 16]))
+def test_any_slice_equals_torch_indexing(sliced_file: Path, monkeypatch, case, run_cost):
+    """Whatever level the reads are planned at, the result (or the IndexError) is the one torch gives,
+    and never more bytes are read than the whole tensor."""
+    name, index = case
+    monkeypatch.setattr(handle, "LOCAL_RUN_COST_BYTES", run_cost)
+    try:
+        expected = SLICED[name][index]
+    except IndexError:  # an index torch refuses (with '...', the parts fall on other dimensions): refused here too
+        with weightstream.open(sliced_file) as checkpoint, pytest.raises(IndexError):
+            checkpoint.get_slice(name)[index]
+        return
+    with weightstream.open(sliced_file) as checkpoint:
+        got = checkpoint.get_slice(name)[index]
+        assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
+        assert got.is_contiguous() and got.untyped_storage().nbytes() == got.nbytes
+        assert checkpoint.stats.read_bytes <= max(SLICED[name].nbytes, SLICED[name].element_size())
