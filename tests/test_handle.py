@@ -61,7 +61,7 @@ class CountingStore(LocalStore):
 @pytest.fixture
 def counting(monkeypatch):
     CountingStore.made = []
-    monkeypatch.setattr(handle, "store_for", lambda uri, *args: CountingStore())
+    monkeypatch.setattr(handle, "locate", lambda uri, *args: (CountingStore(), uri))
     return CountingStore.made
 
 

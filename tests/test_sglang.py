@@ -36,6 +36,7 @@ def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
     """Every case in one SGLang process: each case's result, and the paths used."""
     from tests.engine_envs import sglang_environment
     from tests.engine_model import altered, variant, without_head, without_v_proj
+    from tests.hub import cache_model
     from tests.objstore import free_port
     from tests.test_objectstore import upload
 
@@ -43,6 +44,8 @@ def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
     work = tmp_path_factory.mktemp("sglang")
     model = work / "tiny"
     subprocess.run([python, "-m", "tests.engine_model", str(model)], cwd=ROOT, check=True, capture_output=True, timeout=ENGINE_TIMEOUT)
+    cache_model(work / "hf-cache", "org/tiny", model)
+    environment = {**environment, "HF_HUB_CACHE": str(work / "hf-cache"), "HF_HUB_OFFLINE": "1"}
     paths = {"model": model, "ours": work / "state-ours", "sglangs": work / "state-sglang", "headless": variant(model, work / "headless", without_head)}
     s3_uri = upload("s3", model, f"sglang-{work.name}")
     paths["converted"] = converted(model, work / "converted-tp1")
@@ -76,6 +79,11 @@ def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
             "headless": {"model": str(paths["headless"]), "load_format": "weightstream"},
             "headless-layered": {"model": str(paths["headless"]), "load_format": "weightstream-layered"},
             "no-v-proj": {"model": str(variant(model, work / "no-v-proj", without_v_proj)), "load_format": "weightstream-safetensors"},
+            "hub-id-auto": {"model": "org/tiny", "load_format": "auto"},
+            "hub-id": {"model": "org/tiny", "load_format": "weightstream"},
+            "hub-id-layered": {"model": "org/tiny", "load_format": "weightstream-layered"},
+            "hub-uri": {"model": str(model), "load_format": "weightstream-streaming", "extra": {"uri": "hf://org/tiny@main"}},
+            "hub-absent": {"model": str(model), "load_format": "weightstream", "extra": {"uri": "hf://org/absent"}},
             "not-ours": {"model": str(model), "load_format": "weightstream-nonesuch"},
             "engine-owned-option": {"model": str(model), "load_format": "weightstream", "extra": {"rank": 1}},
             "unknown-option": {"model": str(model), "load_format": "weightstream", "extra": {"thread": 2}},
@@ -112,6 +120,17 @@ def test_every_format_fills_sglangs_llama_as_its_own_loader_does(sglang):
     for name in ("weightstream", "weightstream-cold", "safetensors", "layered", "distributed", "streaming-s3", "class"):
         assert results[name].get("differ") == [] and results[name]["names"] == reference["names"], (name, results[name])
     assert results["layered"]["loader"] == "WeightstreamModelLoader_weightstream_layered"
+
+
+@pytest.mark.slow
+def test_a_hugging_face_id_loads_from_an_offline_cache_as_sglangs_own_loader_does(sglang):
+    results, _ = sglang
+    reference = results["auto"]
+    for name in ("hub-id-auto", "hub-id", "hub-id-layered", "hub-uri"):
+        assert results[name].get("differ") == [] and results[name]["names"] == reference["names"], (name, results[name])
+    assert results["hub-id"]["loader"] == "WeightstreamModelLoader_weightstream"
+    error = results["hub-absent"]["error"]
+    assert error[0] == "NotFound" and error[1].startswith("hf://org/absent: not in the Hugging Face cache at ") and "HF_HUB_OFFLINE is set" in error[1], error
 
 
 @pytest.mark.slow

@@ -54,6 +54,7 @@ def converted(model: Path, directory: Path, tp: int) -> Path:
 def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], dict[str, Path]]:
     """Every case in one engine process, one engine after another (imports once): each case's result, and the paths used."""
     from tests.engine_model import altered, variant, without_head
+    from tests.hub import cache_model
     from tests.test_objectstore import upload
     from weightstream.save.convert import convert_to_sharded_state
 
@@ -68,8 +69,13 @@ def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], di
     paths["hf-names"] = work / "hf-names-tp1"
     convert_to_sharded_state(model, paths["hf-names"], tp=1)
     shutil.copy(model / "config.json", paths["hf-names"] / "config.json")
+    cache_model(work / "hf-cache", "org/tiny", model)
     cases = {
         "auto": {"model": str(model), "load_format": "auto", "save_sharded": str(paths["served-state"])},
+        "hub-id-auto": {"model": "org/tiny", "load_format": "auto"},
+        "hub-id": {"model": "org/tiny", "load_format": "weightstream"},
+        "hub-uri": {"model": str(model), "load_format": "weightstream-safetensors", "extra": {"uri": "hf://org/tiny@main"}},
+        "hub-absent": {"model": str(model), "load_format": "weightstream", "extra": {"uri": "hf://org/absent"}},
         "weightstream": {"model": str(model), "load_format": "weightstream", "extra": {"save_sharded_state": str(paths["state"])}},
         "weightstream-cold": {"model": str(model), "load_format": "weightstream", "cold": True},
         "safetensors": {"model": str(model), "load_format": "weightstream-safetensors", "extra": {"zero_copy": False, "threads": 2, "chunk_bytes": 65536}},
@@ -87,7 +93,8 @@ def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], di
         "engine-owned-option": {"model": str(model), "load_format": "weightstream", "extra": {"device": "cpu"}},
         "unknown-option": {"model": str(model), "load_format": "weightstream", "extra": {"thread": 2}},
     }
-    return dict(zip(cases, generate(python, list(cases.values())), strict=True)), paths
+    offline_cache = {"HF_HUB_CACHE": str(work / "hf-cache"), "HF_HUB_OFFLINE": "1"}
+    return dict(zip(cases, generate(python, list(cases.values()), offline_cache), strict=True)), paths
 
 
 @pytest.mark.slow
@@ -97,6 +104,15 @@ def test_every_format_gives_the_tokens_of_auto(in_process):
     assert len({token for prompt in reference for token in prompt}) > 8, "greedy output is degenerate: the comparison would prove little"
     for name in ("weightstream", "weightstream-cold", "safetensors", "layered", "distributed", "streaming-s3"):
         assert results[name].get("tokens") == reference, (name, results[name])
+
+
+@pytest.mark.slow
+def test_a_hugging_face_id_loads_from_an_offline_cache(in_process):
+    results, _ = in_process
+    for name in ("hub-id-auto", "hub-id", "hub-uri"):
+        assert results[name].get("tokens") == results["auto"]["tokens"], (name, results[name])
+    error = results["hub-absent"]["error"]
+    assert error[0] == "NotFound" and error[1].startswith("hf://org/absent: not in the Hugging Face cache at ") and "HF_HUB_OFFLINE is set" in error[1], error
 
 
 @pytest.mark.slow

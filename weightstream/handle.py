@@ -28,7 +28,7 @@ from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan, TensorSpec
 from weightstream.planning.slices import plan_slice
 from weightstream.registry import get_loader
-from weightstream.sources import REMOTE_SCHEMES, Store, store_for
+from weightstream.sources import REMOTE_SCHEMES, Store, locate
 
 AUTO = "auto"
 
@@ -47,7 +47,8 @@ def resolve_format(uri: str) -> str:
     Object-store URIs (``s3://``, ``gs://``, ``http(s)://``) resolve to ``"streaming"``
     (bounded memory, completion order), local paths to ``"safetensors"``. Either reads one
     ``.safetensors`` file, a directory (or prefix) with ``model.safetensors.index.json``, or
-    one of ``*.safetensors`` files. (Pickle files are refused by the loader.)
+    one of ``*.safetensors`` files. (Pickle files are refused by the loader.) An ``hf://`` model id
+    is resolved first: the Hugging Face cache's snapshot is local, the Hub is remote.
 
     Example:
         >>> resolve_format("model.safetensors"), resolve_format("s3://bucket/llama/")
@@ -95,15 +96,21 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: Any) -> Che
         raise OptionError(f"uri must be a path or a URI string, got {type(uri).__name__}")
     if not isinstance(format, str):
         raise OptionError(f"format must be a string, got {type(format).__name__}")
-    loader = get_loader(resolve_format(uri) if format == AUTO else format)
-    loader.check(opts)
-    store = store_for(uri, opts.storage_options, opts.retry_policy())
+    loader = None if format == AUTO else _checked_loader(format, opts)
+    store, location = locate(uri, opts.storage_options, opts.retry_policy())
     try:
-        plan = loader.plan(store, uri, opts)
+        loader = loader or _checked_loader(resolve_format(location), opts)
+        plan = loader.plan(store, location, opts)
     except BaseException:
         store.close()
         raise
     return Checkpoint(loader, store, plan, opts, time.perf_counter() - started)
+
+
+def _checked_loader(format: str, opts: LoadOptions) -> Loader:
+    loader = get_loader(format)
+    loader.check(opts)
+    return loader
 
 
 class Checkpoint:
@@ -135,7 +142,8 @@ class Checkpoint:
 
     @property
     def uri(self) -> str:
-        """The checkpoint as it was named."""
+        """Where the checkpoint is read from: as it was named, except that an ``hf://`` id names the
+        Hugging Face cache's snapshot, or the Hub's URL of its commit."""
         return self._plan.uri
 
     @property

@@ -19,6 +19,7 @@ from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
 from weightstream.options import LoadOptions
 from weightstream.planning.checkpoint import find_files
 from weightstream.registry import available_loaders
+from weightstream.sources import hub
 from weightstream.sources.local import LocalStore
 from weightstream.sources.pagecache import resident_fraction
 
@@ -74,6 +75,33 @@ def loader_options(extra: Mapping[str, Any] | None, load_format: str) -> tuple[s
         raise InvalidOptionError(f"{load_format}: {', '.join(owned)} in the extra loader config: the engine decides these")
     LoadOptions.from_kwargs(**options)
     return uri, options
+
+
+def model_weights(model: str, revision: str | None, download_dir: str | None, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Where the weights of an engine's model are, and the options to read them with: a local path or URI as
+    it is; a Hugging Face id (``org/name``, or ``hf://...``) resolved once, as the engines resolve it (the
+    cache first, ``download_dir`` being the engine's cache directory, ``HF_HUB_OFFLINE`` honoured), to the
+    cache's snapshot or to ``hf://org/name@<commit>`` (the commit its revision names now: every later read
+    of it is of that commit).
+
+    Raises:
+        NotFound: an id not in the cache while offline, or not on the Hub.
+
+    Example:
+        >>> model_weights("/models/llama", None, None, {})
+        ('/models/llama', {})
+        >>> model_weights("Qwen/Qwen3-0.6B", None, None, {})  # doctest: +SKIP
+        ('/root/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/c1899de2...', {})
+    """
+    if model.startswith(hub.HUB_SCHEME):
+        uri = model
+    elif "://" in model or os.path.exists(model) or not hub.looks_like_repo_id(model):
+        return model, options
+    else:
+        uri = hub.hub_uri(model, revision)
+    if download_dir is not None and "storage_options" not in options:
+        options = {**options, "storage_options": {"cache_dir": download_dir}}
+    return hub.pin(uri, options.get("storage_options")), options
 
 
 def check_filled(parameters: Collection[str], filled: Collection[str], uri: str) -> None:

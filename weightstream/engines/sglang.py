@@ -14,7 +14,10 @@ Command line::
     python -m sglang.launch_server --model-path /models/llama --load-format weightstream-streaming \\
         --model-loader-extra-config '{"uri": "s3://bucket/llama", "threads": 32}'
 
-``uri`` (optional) says where the weights are when not beside the model's config. Every parameter
+``uri`` (optional) says where the weights are when not beside the model's config. A Hugging Face
+model id (``--model-path org/name``, or ``"uri": "hf://org/name@revision"``) is read from the Hugging
+Face cache when it holds the weights, else streamed from the Hub at the commit the revision names
+(``HF_HUB_OFFLINE`` and ``--download-dir`` honoured). Every parameter
 must be filled, every byte of it (seen from the writes: a fused ``qkv_proj`` missing its ``v`` part
 is unfilled): ``WeightsMismatchError`` otherwise, naming them. ``weightstream-layered`` builds the
 model with its parameters on the meta device and gives each layer's parameters memory just before
@@ -40,6 +43,7 @@ from weightstream.engines.common import (
     import_engine,
     load_sharded_state_into,
     loader_options,
+    model_weights,
     sharded_rank,
     weight_batches,
     with_world_group,
@@ -107,19 +111,24 @@ def _loader_class(load_format: str, weightstream_format: str) -> type:
             self.uri, self.options = loader_options(load_config.model_loader_extra_config, load_format)
 
         def download_model(self, model_config: Any) -> None:
-            """Nothing to download: the weights are read where they are, local or remote."""
+            """Nothing is downloaded (the weights are read where they are); a Hugging Face id is resolved now
+            (the cache, or the Hub's commit its revision names), and every later load reads what it resolved to."""
+            self.located = self._locate(model_config)
 
         def load_model(self, *, model_config: Any, device_config: Any) -> torch.nn.Module:
-            uri = self.uri or model_config.model_path
+            uri, options = getattr(self, "located", None) or self._locate(model_config)
             started = time.perf_counter()
             if weightstream_format == "sharded-state":
-                model = _load_sharded_state(self.load_config, model_config, device_config, uri, self.options)
+                model = _load_sharded_state(self.load_config, model_config, device_config, uri, options)
             elif weightstream_format == "layered":
-                model = _load_layered(self.load_config, model_config, device_config, uri, self.options)
+                model = _load_layered(self.load_config, model_config, device_config, uri, options)
             else:
-                model = _load_checkpoint(self.load_config, model_config, device_config, uri, weightstream_format, self.options)
+                model = _load_checkpoint(self.load_config, model_config, device_config, uri, weightstream_format, options)
             logger.info("Loading weights took %.2f seconds (weightstream, format %s)", time.perf_counter() - started, weightstream_format)
             return model.eval()
+
+        def _locate(self, model_config: Any) -> tuple[str, dict[str, Any]]:
+            return model_weights(self.uri or model_config.model_path, model_config.revision, self.load_config.download_dir, self.options)
 
     WeightstreamModelLoader.__name__ = WeightstreamModelLoader.__qualname__ = "WeightstreamModelLoader_" + load_format.replace("-", "_")
     return WeightstreamModelLoader

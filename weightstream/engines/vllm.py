@@ -7,7 +7,9 @@ The package's ``vllm.general_plugins`` entry point calls :func:`register` in eve
     vllm serve /models/llama --load-format weightstream-streaming \\
         --model-loader-extra-config '{"uri": "s3://bucket/llama", "threads": 32}'
 
-``uri`` (optional) says where the weights are when not beside the model's config;
+``uri`` (optional) says where the weights are when not beside the model's config. A Hugging Face
+model id (``vllm serve org/name``, or ``"uri": "hf://org/name@revision"``) is read from the Hugging
+Face cache when it holds the weights, else streamed from the Hub at the commit the revision names (``HF_HUB_OFFLINE`` and vLLM's ``--download-dir`` honoured).
 ``save_sharded_state`` (a directory) saves each worker's weights right after loading them, before
 vLLM post-processes them, for ``weightstream-sharded-state`` (and vLLM's ``sharded_state``). Tensors land
 where vLLM built the parameters (CPU or the worker's GPU). Every parameter must be filled by the
@@ -33,6 +35,7 @@ from weightstream.engines.common import (
     import_engine,
     load_sharded_state_into,
     loader_options,
+    model_weights,
     sharded_rank,
     weight_batches,
     with_world_group,
@@ -80,18 +83,23 @@ def _loader_class(base: type, load_format: str, weightstream_format: str) -> typ
             self.uri, self.options = loader_options(extra, load_format)
 
         def download_model(self, model_config: Any) -> None:
-            """Nothing to download: the weights are read where they are, local or remote."""
+            """Nothing is downloaded (the weights are read where they are); a Hugging Face id is resolved now
+            (the cache, or the Hub's commit its revision names), and every later load reads what it resolved to."""
+            self.located = self._locate(model_config)
 
         def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
-            uri = self.uri or model_config.model
+            uri, options = getattr(self, "located", None) or self._locate(model_config)
             started = time.perf_counter()
             if weightstream_format == "sharded-state":
-                _load_sharded_state(model, uri, self.options)
+                _load_sharded_state(model, uri, options)
             else:
-                _load_checkpoint(model, model_config, uri, weightstream_format, self.options)
+                _load_checkpoint(model, model_config, uri, weightstream_format, options)
             _logger().info("Loading weights took %.2f seconds (weightstream, format %s)", time.perf_counter() - started, weightstream_format)
             if self.save_to is not None:
                 _save_model_state(model, os.fspath(self.save_to), DEFAULT_MAX_FILE_BYTES)
+
+        def _locate(self, model_config: Any) -> tuple[str, dict[str, Any]]:
+            return model_weights(self.uri or model_config.model, model_config.revision, self.load_config.download_dir, self.options)
 
     WeightstreamModelLoader.__name__ = WeightstreamModelLoader.__qualname__ = "WeightstreamModelLoader_" + load_format.replace("-", "_")
     return WeightstreamModelLoader

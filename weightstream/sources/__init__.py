@@ -11,10 +11,27 @@ from weightstream.sources.base import Source, Store
 from weightstream.sources.local import LocalStore
 from weightstream.sources.retry import RetryPolicy
 
-REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "http://", "https://")
+REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "http://", "https://", "hf://")
+"""URIs read over the network (an ``hf://`` id may be in the local cache: :func:`locate` says where it is)."""
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
-__all__ = ["Source", "Store", "store_for"]
+__all__ = ["Source", "Store", "locate", "store_for"]
+
+
+def locate(uri: str, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> tuple[Store, str]:
+    """The store that serves ``uri`` and where in it the checkpoint is: ``uri`` itself, except for an
+    ``hf://`` model id, which names the Hugging Face cache's snapshot or the Hub's files at one commit.
+
+    Example:
+        >>> store, location = locate("/tmp")
+        >>> type(store).__name__, location
+        ('LocalStore', '/tmp')
+    """
+    if uri.startswith("hf://"):
+        from weightstream.sources import hub
+
+        return hub.locate(uri, storage_options, policy)
+    return store_for(uri, storage_options, policy), uri
 
 
 def store_for(uri: str, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> Store:
@@ -40,4 +57,6 @@ def store_for(uri: str, storage_options: Mapping[str, Any] | None = None, policy
         from weightstream.sources.gcs import GcsStore
 
         return GcsStore(storage_options, policy)
-    raise UnsupportedInputError(f"{uri}: {scheme[1]}:// URIs are not supported; use s3://, gs://, http(s)://, a local path or file://")
+    if scheme[1] == "hf":
+        raise UnsupportedInputError(f"{uri}: an hf:// URI names a model, not a store: open it with weightstream.open or load_weights")
+    raise UnsupportedInputError(f"{uri}: {scheme[1]}:// URIs are not supported; use s3://, gs://, http(s)://, hf://, a local path or file://")

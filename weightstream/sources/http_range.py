@@ -100,6 +100,18 @@ class RangeClient:
 
         return self._exchange("HEAD", url, headers, finish, lambda: "before the answer")
 
+    def fetch(self, url: str, headers: Mapping[str, str], limit: int) -> tuple[http.client.HTTPResponse, bytes]:
+        """A GET of a whole small document (an API's JSON answer): the answer and its body, :class:`SourceError`
+        if the body is over ``limit`` bytes (read no further than that)."""
+
+        def finish(response: http.client.HTTPResponse, connection: http.client.HTTPConnection) -> tuple[http.client.HTTPResponse, bytes]:
+            body = response.read(limit + 1)
+            if len(body) > limit:
+                raise SourceError(f"{url}: the answer is over {limit} bytes, more than a document of this kind holds")
+            return response, body
+
+        return self._exchange("GET", url, headers, finish, lambda: "while reading the answer")
+
     def _exchange(self, method: str, url: str, headers: Mapping[str, str],
                   handle: Callable[[http.client.HTTPResponse, http.client.HTTPConnection], Answer], where: Callable[[], str]) -> Answer:
         """Send one request on this thread's connection to the URL's origin and ``handle`` its answer.
