@@ -264,3 +264,69 @@ def test_a_long_shape_list_is_refused_before_it_is_multiplied():
     with pytest.raises(HeaderError, match=r"tensor 'w' in f.safetensors: shape has 400001 dimensions, more than the 64 weightstream accepts"):
         parse({"w": entry(shape=[2] * 400_000 + [0], offsets=(0, 0))}, 0)
     assert time.monotonic() - start < 2
+
+
+def _zero_size_checkpoint(directory, files: int, tensors: int):
+    directory.mkdir()
+    for index in range(files):
+        header = json.dumps({f"model.layers.{index}.{i}.empty": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(tensors)}).encode()
+        (directory / f"part-{index}.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return directory
+
+
+def _plan_peak(uri) -> tuple[int, int]:
+    """The peak of traced memory while ``uri`` is planned, and what its open checkpoint holds."""
+    import gc
+    import tracemalloc
+
+    import weightstream
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        with weightstream.open(uri) as checkpoint:
+            assert checkpoint.plan.tensors
+            held, peak = tracemalloc.get_traced_memory()
+        return peak, held
+    finally:
+        tracemalloc.stop()
+
+
+def test_headers_parsed_at_once_stay_within_the_parse_budget(tmp_path, monkeypatch):
+    """Eight hostile headers of zero-size tensors (each ~10x its size in objects while parsed): within a
+    budget of one header they are parsed one after another, so the plan's peak is one header's, not eight."""
+    from weightstream.formats import safetensors as format_module
+
+    directory = _zero_size_checkpoint(tmp_path / "many", files=8, tensors=6_000)
+    one_header = (directory / "part-0.safetensors").stat().st_size
+    single, held_by_one = _plan_peak(directory / "part-0.safetensors")
+    monkeypatch.setattr(format_module, "PARSE_BUDGET", format_module.ParseBudget(one_header))
+    bounded, held = _plan_peak(directory)
+    monkeypatch.setattr(format_module, "PARSE_BUDGET", format_module.ParseBudget(1 << 40))
+    unbounded, _ = _plan_peak(directory)
+    parsing = single - held_by_one  # what one header costs above what its plan keeps
+    assert bounded - held <= 4 * parsing, (single, held_by_one, bounded, held, unbounded)  # measured: 3.1 parses' worth (the plans built after each parse overlap)
+    assert unbounded - held > bounded - held, f"without the budget the headers overlap more: {unbounded} vs {bounded} (else the test proves nothing)"
+
+
+def test_a_header_larger_than_the_budget_is_parsed_alone():
+    import threading
+
+    from weightstream.formats.safetensors import ParseBudget
+
+    budget = ParseBudget(100)
+    entered, release = threading.Event(), threading.Event()
+
+    def second_header() -> None:
+        with budget.admit(10):
+            entered.set()
+            release.wait(5)
+
+    worker = threading.Thread(target=second_header)
+    with budget.admit(500):
+        worker.start()
+        assert not entered.wait(0.2), "admitted while a header over the budget was in parse"
+    assert entered.wait(5) and budget.in_use == 10
+    release.set()
+    worker.join(5)
+    assert budget.in_use == 0
