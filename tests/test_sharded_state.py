@@ -107,7 +107,7 @@ def test_a_rank_reads_no_byte_of_another_ranks_files(tmp_path: Path, monkeypatch
             source.read_into, source.read = counted_read_into, counted_read
             return source
 
-    monkeypatch.setattr(handle, "store_for", lambda uri, *args: CountingStore())
+    monkeypatch.setattr(handle, "locate", lambda uri, *args: (CountingStore(), uri))
     weightstream.load_weights(tmp_path, format="sharded-state", rank=1, world_size=3, verify=True)
     own = {p.name for p in tmp_path.glob("model-rank-1-part-*.safetensors")} | {"weightstream-manifest-rank-1.json"}
     assert set(reads) == own, f"read files of other ranks: {sorted(set(reads) - own)}"
