@@ -9,10 +9,11 @@ listing, so a directory URL must hold ``model.safetensors.index.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import re
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightstream.errors import InvalidOptionError, NotFound, SourceError, UnsupportedInputError
@@ -23,6 +24,9 @@ from weightstream.sources.retry import RetryPolicy, Transient
 FILE_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """A URL whose last segment ends so names a file; any other URL names a directory."""
 MAX_REDIRECTS = 5
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+Exchange = tuple[http.client.HTTPResponse, bytes]
+"""An answer and the body read from it (empty for a HEAD)."""
 CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
 """Headers never sent to a host other than the one the caller named."""
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -30,6 +34,15 @@ CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
 """ASCII digits only (``str.isdigit`` takes superscripts, which ``int`` refuses), and a size that fits 64 bits."""
 LAST_MODIFIED = "last-modified "
 """Prefix of a version that is a ``Last-Modified`` date rather than an ETag."""
+
+
+@dataclasses.dataclass
+class RedirectTrail:
+    """Where one request's redirects have led so far, kept across its retries: a retry is sent where the
+    last attempt had got to, and :data:`MAX_REDIRECTS` bounds every hop of every attempt."""
+
+    location: str
+    hops: int = 0
 
 
 class HttpStore(RemoteStore):
@@ -117,22 +130,28 @@ class HttpStore(RemoteStore):
             return dict(self.headers)
         return {name: value for name, value in self.headers.items() if name.lower() not in CREDENTIAL_HEADERS}
 
+    def redirected(self, uri: str, send: Callable[[str, dict[str, str]], Exchange], trail: RedirectTrail) -> Exchange:
+        """``send(location, headers)`` from where ``trail`` has got to for ``uri``, then wherever its redirects
+        lead (at most :data:`MAX_REDIRECTS` in all), credentials only where :meth:`headers_for` allows: the
+        last answer (with its body, if ``send`` read one); ``trail.location`` is where it came from."""
+        while True:
+            exchange = send(trail.location, self.headers_for(uri, trail.location))
+            answer = exchange[0]
+            if answer.status not in REDIRECT_STATUSES or not answer.getheader("Location"):
+                return exchange
+            trail.hops += 1
+            if trail.hops > MAX_REDIRECTS:
+                raise SourceError(f"{uri}: more than {MAX_REDIRECTS} redirects")
+            trail.location = urllib.parse.urljoin(trail.location, answer.getheader("Location"))
+
     def _head(self, uri: str, missing_ok: bool = False) -> http.client.HTTPResponse | None:
         """The ``HEAD`` answer for ``uri`` after redirects (retried like ranges), or None if missing and ``missing_ok``."""
-        location, redirects = uri, 0
+        trail = RedirectTrail(uri)
 
         def attempt() -> http.client.HTTPResponse | None:
-            nonlocal location, redirects
-            while True:
-                answer = self.ranges.head(location, self.headers_for(uri, location))
-                if answer.status not in (301, 302, 303, 307, 308) or not answer.getheader("Location"):
-                    break
-                redirects += 1
-                if redirects > MAX_REDIRECTS:
-                    raise SourceError(f"{uri}: more than {MAX_REDIRECTS} redirects")
-                location = urllib.parse.urljoin(location, answer.getheader("Location"))
+            answer, _ = self.redirected(uri, lambda location, headers: (self.ranges.head(location, headers), b""), trail)
             if answer.status == 200:
-                self._locations[uri] = location
+                self._locations[uri] = trail.location
                 return answer
             if answer.status == 404 and missing_ok:
                 return None

@@ -31,7 +31,7 @@ from weightstream.errors import (
 )
 from weightstream.formats.index import INDEX_NAME, MAX_INDEX_BYTES, parse_index
 from weightstream.sources.base import Store
-from weightstream.sources.http import MAX_REDIRECTS, HttpStore
+from weightstream.sources.http import HttpStore, RedirectTrail
 from weightstream.sources.local import LocalStore
 from weightstream.sources.retry import RetryPolicy, Transient
 
@@ -116,15 +116,14 @@ def parse_hub_uri(uri: str) -> HubReference:
 
 def check_reference(reference: HubReference, uri: str) -> None:
     """Raise ``UnsupportedInputError`` unless the repository id, revision and path are all well formed."""
-    parts = reference.repo_id.split("/")
-    if not 1 <= len(parts) <= 2 or not all(REPO_PART.fullmatch(part) and "--" not in part and ".." not in part for part in parts):
+    if not looks_like_repo_id(reference.repo_id):
         raise UnsupportedInputError(
             f"{uri}: {reference.repo_id!r} is not a model id: expected org/name (letters, digits, '-', '_', '.'; at most 96 each; no '--' or '..')"
         )
     revision = reference.revision
-    if not REVISION.fullmatch(revision) or any(part in ("", ".", "..") for part in revision.split("/")):
+    if not REVISION.fullmatch(revision) or _leaves_its_folder(revision):
         raise UnsupportedInputError(f"{uri}: {revision!r} is not a revision (a branch, tag or commit)")
-    if reference.path and any(part in ("", ".", "..") for part in reference.path.split("/")):
+    if reference.path and _leaves_its_folder(reference.path):
         raise UnsupportedInputError(f"{uri}: {reference.path!r} is not a path inside the repository")
 
 
@@ -353,16 +352,13 @@ class HubStore(HttpStore):
     def _revision(self, reference: HubReference, api: str) -> tuple[str, list[str]]:
         """The commit and file names of the Hub's answer for the revision (redirects followed, retried as ranges are)."""
 
+        trail = RedirectTrail(api)
+
         def attempt() -> tuple[int, str, bytes]:
-            location = api
-            for _ in range(MAX_REDIRECTS + 1):
-                answer, body = self.ranges.fetch(location, self.headers_for(api, location), MAX_REVISION_ANSWER_BYTES)
-                if answer.status not in (301, 302, 307, 308) or not answer.getheader("Location"):
-                    if answer.status in (408, 429) or answer.status >= 500:
-                        raise Transient(f"HTTP {answer.status}")
-                    return answer.status, answer.getheader("X-Error-Code") or "", body
-                location = urllib.parse.urljoin(location, answer.getheader("Location"))
-            raise SourceError(f"{api}: more than {MAX_REDIRECTS} redirects")
+            answer, body = self.redirected(api, lambda location, headers: self.ranges.fetch(location, headers, MAX_REVISION_ANSWER_BYTES), trail)
+            if answer.status in (408, 429) or answer.status >= 500:
+                raise Transient(f"HTTP {answer.status}")
+            return answer.status, answer.getheader("X-Error-Code") or "", body
 
         status, code, body = self.policy.run(api, attempt)
         where = f"{reference.uri} ({api})"
@@ -389,10 +385,15 @@ def _commit_and_files(body: bytes, where: str) -> tuple[str, list[str]]:
     if not isinstance(siblings, list) or not all(isinstance(entry, dict) and isinstance(entry.get("rfilename"), str) for entry in siblings):
         raise SourceError(f"{where}: the Hub's answer has no list of files ('siblings' with 'rfilename')")
     files = [entry["rfilename"] for entry in siblings]
-    unsafe = [name for name in files if name.startswith("/") or any(part in ("", ".", "..") for part in name.split("/"))]
+    unsafe = [name for name in files if _leaves_its_folder(name)]
     if unsafe:
         raise SourceError(f"{where}: the Hub's answer names files outside the repository ({unsafe[0]!r})")
     return document["sha"], files
+
+
+def _leaves_its_folder(path: str) -> bool:
+    """Whether a ``/``-separated relative path has an empty, ``.`` or ``..`` part (a leading ``/`` is an empty one)."""
+    return any(part in ("", ".", "..") for part in path.split("/"))
 
 
 def _token_file(path: str) -> str | None:
