@@ -5,17 +5,15 @@ answering 302 to a CDN on another loopback host, tokens checked) over a real ran
 from __future__ import annotations
 
 import hashlib
-import http.server
 import json
 import os
 import shutil
-import threading
 import urllib.parse
 from pathlib import Path
 
 from typing_extensions import Self
 
-from tests.rangeserver import RangeServer
+from tests.rangeserver import LoopbackServer, QuietHandler, RangeServer
 
 
 def commit_of(text: str) -> str:
@@ -45,7 +43,7 @@ def cache_model(cache_dir: Path, repo_id: str, model: Path, *, revision: str = "
     return commit
 
 
-class HubServer:
+class HubServer(LoopbackServer):
     """``with HubServer(root) as hub``: ``hub.publish(repo_id, model_dir, revision)`` makes a commit;
     ``hub.endpoint`` is the Hub's URL (``HF_ENDPOINT``), ``hub.cdn`` the range server it redirects to.
     ``token`` set: every Hub request without ``Bearer <token>`` is answered 401 (a private repository).
@@ -65,12 +63,7 @@ class HubServer:
         self.cdn = RangeServer(root, host="127.0.0.2")
         outer = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_HEAD(self) -> None:
                 self._answer()
 
@@ -115,10 +108,8 @@ class HubServer:
                 if self.command == "GET":
                     self.wfile.write(body)
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="test-hub", daemon=True)
+        super().__init__(Handler, "127.0.0.1", "test-hub")
+        self.endpoint = self.url
 
     def publish(self, repo_id: str, model: Path, revision: str = "main") -> str:
         """``model``'s files as a new commit of ``repo_id``, which ``revision`` then names. The commit."""
@@ -131,11 +122,8 @@ class HubServer:
 
     def __enter__(self) -> Self:
         self.cdn.__enter__()
-        self._thread.start()
-        return self
+        return super().__enter__()
 
     def __exit__(self, *exc_info: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        super().__exit__(*exc_info)
         self.cdn.__exit__(*exc_info)

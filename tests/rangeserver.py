@@ -14,6 +14,8 @@ import time
 import urllib.parse
 from pathlib import Path
 
+from typing_extensions import Self
+
 
 @dataclasses.dataclass
 class Misbehaviour:
@@ -29,7 +31,36 @@ class Misbehaviour:
     """Answer every request with ``302 Location: <redirect_to><path>`` (a Hub sending its clients to a CDN)."""
 
 
-class RangeServer:
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    """HTTP/1.1 (keep-alive, as the client expects), nothing logged."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class LoopbackServer:
+    """A threaded server of ``handler`` on ``host`` (port chosen by the kernel), ``url`` its address;
+    ``with`` it to serve and to stop (every thread joined)."""
+
+    def __init__(self, handler: type[http.server.BaseHTTPRequestHandler], host: str, name: str) -> None:
+        self._server = http.server.ThreadingHTTPServer((host, 0), handler)
+        self._server.daemon_threads = True
+        self.url = f"http://{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name=name, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+class RangeServer(LoopbackServer):
     """``with RangeServer(root) as server: server.url``; ``server.misbehave`` may be changed at any time."""
 
     def __init__(self, root: Path, host: str = "127.0.0.1") -> None:
@@ -40,12 +71,7 @@ class RangeServer:
         """The ``Authorization`` header of every request, in order."""
         outer = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_HEAD(self) -> None:
                 self._answer(body=False)
 
@@ -101,19 +127,7 @@ class RangeServer:
                 else:
                     self.wfile.write(piece)
 
-        self._server = http.server.ThreadingHTTPServer((host, 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://{host}:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="test-range-server", daemon=True)
-
-    def __enter__(self) -> RangeServer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        super().__init__(Handler, host, "test-range-server")
 
 
 def replace_file(path: Path, data: bytes) -> None:
