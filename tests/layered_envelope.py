@@ -14,7 +14,7 @@ from weightstream.planning.layers import group_layers
 
 def main(uri: str, prefetch_layers: int) -> dict:
     with weightstream.open(uri, "layered", prefetch_layers=prefetch_layers) as checkpoint:
-        largest = max(layer.nbytes for layer in group_layers(checkpoint.plan.tensors, checkpoint.options.layer_rule))
+        largest = max(layer.nbytes for layer in group_layers(checkpoint.plan.tensors, checkpoint.options.loader_options.rule))
     layers = weightstream.iter_layers(uri, prefetch_layers=prefetch_layers)  # headers read, store opened
     baseline = start_peak()
     count = total = 0

@@ -24,7 +24,7 @@ from tests.test_objectstore import upload
 from weightstream.bench.demo import LlamaShape, llama_state_dict, write_sharded
 from weightstream.memory.ring import CpuStaging
 from weightstream.planning.layers import group_layers
-from weightstream.readers.layered import read_layers
+from weightstream.readers.layered import LayerReading, read_layers
 from weightstream.sources import store_for
 
 MIB = 1 << 20
@@ -376,7 +376,7 @@ def test_a_file_truncated_mid_load_is_a_typed_error_and_leaks_nothing(tmp_path: 
         ({"layer_hook": "quantize"}, weightstream.OptionError, r"layer_hook must be callable, got str"),
         ({"copy_layers": 1}, weightstream.OptionError, r"copy_layers must be a bool, got int"),
         ({"zero_copy": True}, weightstream.InvalidOptionError, r"zero_copy=True: maps whole files"),
-        ({"max_inflight_bytes": 64 * MIB}, weightstream.InvalidOptionError, r"max_inflight_bytes=67108864: this loader's memory is bounded by prefetch_layers"),
+        ({"max_inflight_bytes": 64 * MIB}, weightstream.InvalidOptionError, r"max_inflight_bytes: an option of format='streaming'; the layered loader does not use it"),
         ({"device": "cuda", "gds": True}, weightstream.InvalidOptionError, r"gds=True: the layered loader reaches a GPU through the pinned staging ring"),
     ],
 )
@@ -428,7 +428,7 @@ def test_the_staged_path_reuses_device_buffers_and_yields_only_finished_copies(t
     with weightstream.open(uri, "layered", direct_io=direct_io, staging_slots=3, staging_slot_bytes=64 * 1024, threads=4) as checkpoint:
         plan, opts = checkpoint.plan, checkpoint.options
     bases, keys = set(), []
-    for key, tensors in read_layers(store_for(uri), plan, group_layers(plan.tensors), opts, pinned=False, staging=CpuStaging(engine)):
+    for key, tensors in read_layers(store_for(uri), plan, group_layers(plan.tensors), opts, LayerReading(), pinned=False, staging=CpuStaging(engine)):
         assert_same(tensors, {name: state[name] for name in tensors})  # every copy finished before the yield
         bases.add(next(iter(tensors.values())).untyped_storage().data_ptr())
         keys.append(key)

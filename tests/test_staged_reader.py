@@ -28,7 +28,8 @@ def staged_load(uri, staging=None, **options) -> dict[str, torch.Tensor]:
 def staged_iter(uri, staging=None, **options):
     with weightstream.open(uri, **options) as checkpoint:
         plan, opts = checkpoint.plan, checkpoint.options
-    return read_staged(store_for(plan.uri), plan, opts, staging or CpuStaging())
+    window = getattr(opts.loader_options, "max_inflight_bytes", None)
+    return read_staged(store_for(plan.uri), plan, opts, staging or CpuStaging(), window)
 
 
 @pytest.mark.parametrize("direct_io", [False, True])
@@ -155,7 +156,7 @@ def test_destination_memory_is_bounded_by_the_window(tmp_path: Path, max_infligh
     with weightstream.open(uri, format="streaming", max_inflight_bytes=max_inflight_bytes, chunk_bytes=256 << 10, threads=4) as checkpoint:
         plan, opts = checkpoint.plan, checkpoint.options
     seen = set()
-    for name, tensor in read_staged(store_for(plan.uri), plan, opts, staging):
+    for name, tensor in read_staged(store_for(plan.uri), plan, opts, staging, max_inflight_bytes):
         assert torch.equal(tensor, state[name])
         seen.add(name)
         del tensor

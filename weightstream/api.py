@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
 from weightstream.handle import AUTO, Checkpoint, open
 
+Item = TypeVar("Item")
 
-def iter_weights(uri: str | os.PathLike[str], format: str = AUTO, **options: Any) -> Iterator[tuple[str, torch.Tensor]]:
+
+def iter_weights(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` pairs as each tensor's bytes land, in completion order.
 
     Options are checked and headers read when this is called (so bad options and
@@ -22,8 +24,9 @@ def iter_weights(uri: str | os.PathLike[str], format: str = AUTO, **options: Any
     Args:
         uri: a ``.safetensors`` file or a checkpoint directory.
         format: a registered format name, or ``"auto"`` (see :func:`resolve_format`).
-        **options: fields of :class:`weightstream.LoadOptions` (``device``, ``threads``,
-            ``chunk_bytes``, ``filter``, ``huge_pages``, ``progress``).
+        **options: the core options (fields of :class:`weightstream.LoadOptions`: ``device``, ``threads``,
+            ``chunk_bytes``, ``filter``, ...) and the loader's own (``max_inflight_bytes`` of ``streaming``, ...);
+            the README's options table lists them all.
 
     Raises:
         OptionError: an unknown option, before any I/O.
@@ -37,7 +40,7 @@ def iter_weights(uri: str | os.PathLike[str], format: str = AUTO, **options: Any
     return _owned(checkpoint, lambda: checkpoint._iter_weights(owned=True))
 
 
-def iter_layers(uri: str | os.PathLike[str], **options: Any) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+def iter_layers(uri: str | os.PathLike[str], **options: object) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """Yield ``(layer key, {name: tensor})`` layer by layer, in layer order, through reused buffers.
 
     Embeddings first, then ``model.layers.0``, ``model.layers.1``, ..., then the final norm and
@@ -64,7 +67,7 @@ def iter_layers(uri: str | os.PathLike[str], **options: Any) -> Iterator[tuple[s
     return _owned(checkpoint, lambda: checkpoint._iter_layers(owned=True))
 
 
-def load_weights(uri: str | os.PathLike[str], format: str = AUTO, device: str = "cpu", **options: Any) -> dict[str, torch.Tensor]:
+def load_weights(uri: str | os.PathLike[str], format: str = AUTO, device: str = "cpu", **options: object) -> dict[str, torch.Tensor]:
     """Load every (selected) tensor: all of them, or an error and none.
 
     The dict is ordered as the tensors are stored (file by file, by offset); with a ``layer_hook`` it
@@ -81,7 +84,7 @@ def load_weights(uri: str | os.PathLike[str], format: str = AUTO, device: str = 
         return checkpoint.load()
 
 
-def _owned(checkpoint: Checkpoint, start: Any) -> Any:
+def _owned(checkpoint: Checkpoint, start: Callable[[], Item]) -> Item:
     """``start()``, the iterator that closes ``checkpoint`` when it ends; ``checkpoint`` closed if it cannot start."""
     try:
         return start()

@@ -24,10 +24,10 @@ from typing_extensions import Self
 from weightstream.errors import CheckpointClosedError, HeaderError, InvalidOptionError, OptionError, TensorNotFound
 from weightstream.formats.safetensors import DTYPE_NAMES
 from weightstream.loaders.base import Loader
-from weightstream.options import LoadOptions
+from weightstream.options import LoadOptions, changed_fields
 from weightstream.planning.plan import LoadPlan, TensorSpec
 from weightstream.planning.slices import plan_slice
-from weightstream.registry import get_loader
+from weightstream.registry import bind_options, get_loader, split_options
 from weightstream.sources import REMOTE_SCHEMES, Store, locate
 
 AUTO = "auto"
@@ -73,7 +73,7 @@ class CheckpointStats:
     """Time callers spent waiting for tensors (inside ``get_tensor``, ``get_slice`` and the iterators)."""
 
 
-def open(uri: str | os.PathLike[str], format: str = AUTO, **options: Any) -> Checkpoint:
+def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> Checkpoint:
     """Open the checkpoint at ``uri``: options checked, loader picked, headers read, no tensor data yet.
 
     Use it as a context manager (or call ``close()``): the checkpoint holds its store (and, for an
@@ -89,17 +89,17 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: Any) -> Che
         ...     rows = checkpoint.get_slice("lm_head.weight")[:1024]
     """
     started = time.perf_counter()
-    opts = LoadOptions.from_kwargs(**options)
+    opts, own = split_options(options)
     if isinstance(uri, os.PathLike):
         uri = os.fspath(uri)
     if not isinstance(uri, str):
         raise OptionError(f"uri must be a path or a URI string, got {type(uri).__name__}")
     if not isinstance(format, str):
         raise OptionError(f"format must be a string, got {type(format).__name__}")
-    loader = None if format == AUTO else _checked_loader(format, opts)
+    chosen = None if format == AUTO else _checked_loader(format, opts, own)
     store, location = locate(uri, opts.storage_options, opts.retry_policy())
     try:
-        loader = loader or _checked_loader(resolve_format(location), opts)
+        loader, opts = chosen or _checked_loader(resolve_format(location), opts, own)
         plan = loader.plan(store, location, opts)
     except BaseException:
         store.close()
@@ -107,10 +107,12 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: Any) -> Che
     return Checkpoint(loader, store, plan, opts, time.perf_counter() - started)
 
 
-def _checked_loader(format: str, opts: LoadOptions) -> Loader:
+def _checked_loader(format: str, opts: LoadOptions, own: Mapping[str, object]) -> tuple[Loader, LoadOptions]:
+    """The loader of ``format`` and the options with its own bound, once it accepts them all."""
     loader = get_loader(format)
+    opts = bind_options(loader, opts, own)
     loader.check(opts)
-    return loader
+    return loader, opts
 
 
 class Checkpoint:
@@ -211,7 +213,7 @@ class Checkpoint:
             TensorNotFound: no such (selected) tensor; the message names the closest.
         """
         spec = self._spec(name)
-        opts = dataclasses.replace(self._opts, copy_layers=True) if getattr(self._loader, "reuses_memory", False) else self._opts
+        opts = self._kept_options()
         part = dataclasses.replace(self._plan, tensors=(spec,))
         found: dict[str, torch.Tensor] = {}
         with contextlib.closing(self._track(self._loader.iter_weights(self._store, part, opts))) as reads:
@@ -226,7 +228,7 @@ class Checkpoint:
         Example:
             >>> rows = checkpoint.get_slice("model.embed_tokens.weight")[1000:2000]  # doctest: +SKIP
         """
-        if self._opts.verify:
+        if getattr(self._opts.loader_options, "verify", False):
             raise InvalidOptionError(f"verify=True checks whole tensors against their checksums; {name!r}[...] reads part of one")
         return TensorSlice(self, self._spec(name))
 
@@ -250,15 +252,22 @@ class Checkpoint:
 
     def _iter_layers(self, owned: bool) -> _Reads[tuple[str, dict[str, torch.Tensor]]]:
         self._check_open()
-        layered = self._loader if hasattr(self._loader, "iter_layers") else get_loader("layered")
-        if layered is not self._loader:
-            layered.check(self._opts)
-        return self._track(layered.iter_layers(self._store, self._plan, self._opts), count=_layer_items, owned=owned)
+        if hasattr(self._loader, "iter_layers"):
+            return self._track(self._loader.iter_layers(self._store, self._plan, self._opts), count=_layer_items, owned=owned)
+        set_options = changed_fields(self._opts.loader_options) if self._opts.loader_options is not None else []
+        if set_options:
+            raise InvalidOptionError(
+                f"{set_options[0]}: an option of format={self.format!r}; iter_layers reads through the layered loader, which does not use it"
+            )
+        layered = get_loader("layered")
+        opts = bind_options(layered, self._opts, {})
+        layered.check(opts)
+        return self._track(layered.iter_layers(self._store, self._plan, opts), count=_layer_items, owned=owned)  # type: ignore[attr-defined]
 
     def load(self) -> dict[str, torch.Tensor]:
         """Every selected tensor, in stored order: all of them, or an error and none (see :func:`weightstream.load_weights`)."""
         self._check_open()
-        opts = dataclasses.replace(self._opts, copy_layers=True) if getattr(self._loader, "reuses_memory", False) else self._opts
+        opts = self._kept_options()
         if torch.device(opts.device).type == "cuda":  # the readers hold a window of it; the dict keeps all of it
             from weightstream.memory.devices import check_fits
 
@@ -291,6 +300,13 @@ class Checkpoint:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._by_name)} tensors, {self._plan.total_bytes} bytes"
         return f"<weightstream.Checkpoint {self.uri!r} format={self.format!r} ({state})>"
+
+    def _kept_options(self) -> LoadOptions:
+        """The options of a read whose tensors the caller keeps: a loader that reuses its memory is asked for copies."""
+        own = self._opts.loader_options
+        if not getattr(self._loader, "reuses_memory", False) or own is None:
+            return self._opts
+        return dataclasses.replace(self._opts, loader_options=dataclasses.replace(own, copy_layers=True))  # type: ignore[type-var]
 
     def _spec(self, name: str) -> TensorSpec:
         self._check_open()
@@ -326,7 +342,7 @@ class Checkpoint:
 
         Without a hook every planned tensor must be there: one missing is a loader's failure, not a result."""
         ordered = {spec.name: loaded[spec.name] for spec in self._plan.tensors if spec.name in loaded}
-        if self._opts.layer_hook is None and len(ordered) < len(self._plan.tensors):
+        if getattr(self._opts.loader_options, "layer_hook", None) is None and len(ordered) < len(self._plan.tensors):
             missing = next(spec.name for spec in self._plan.tensors if spec.name not in loaded)
             raise TensorNotFound(f"{self.uri}: the {self.format} loader ended without yielding tensor {missing!r}")
         ordered.update((name, tensor) for name, tensor in loaded.items() if name not in ordered)

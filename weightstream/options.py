@@ -6,13 +6,11 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, Union
+from typing import Literal, TypeVar, Union
 
 import torch
 
 from weightstream.errors import InvalidOptionError, OptionError
-from weightstream.formats.sharded_state import Rank
-from weightstream.planning.layers import LayerRule, compile_rule
 from weightstream.sources.retry import RetryPolicy
 
 TensorFilter = Union[Collection[str], Callable[[str], bool]]
@@ -21,22 +19,19 @@ TensorFilter = Union[Collection[str], Callable[[str], bool]]
 ProgressCallback = Callable[[int], None]
 """Called with the number of bytes that just landed (from reader threads)."""
 
-LayerHook = Callable[[str, dict[str, torch.Tensor]], Union[Mapping[str, torch.Tensor], None]]
-"""Called with each complete layer (key, tensors) before it is yielded; returns the tensors to yield
-instead (e.g. quantized ones), or None to yield the layer as read."""
+Auto = Literal["auto"]
+"""The value of the options that decide for themselves (``direct_io``, ``huge_pages``, ``pin_memory``, ``gds``)."""
+
+LoaderOptions = TypeVar("LoaderOptions")
 
 MIB = 1 << 20
 MAX_STAGING_BYTES = 4 << 30
 """Upper bound on ``staging_slots * staging_slot_bytes``: staging is pinned memory."""
 LOCAL_CHUNK_BYTES = 8 * MIB
 REMOTE_CHUNK_BYTES = 64 * MIB
-LAYERED_OPTIONS = ("layer_rule", "prefetch_layers", "layer_hook", "copy_layers")
-SHARDED_OPTIONS = ("rank", "world_size", "shard_pattern", "verify")
-DISTRIBUTED_OPTIONS = ("process_group", "stats")
-OWNED_OPTIONS = {"layered": LAYERED_OPTIONS, "sharded-state": SHARDED_OPTIONS, "distributed": DISTRIBUTED_OPTIONS}
-"""Options only one loader honours (its name -> them); the other loaders refuse them."""
 DEFAULT_INFLIGHT_BYTES = 1 << 30
-"""The streaming loader's window when ``max_inflight_bytes`` is not given (raised to the largest tensor)."""
+"""The streaming window (and every CUDA destination's device window) when ``max_inflight_bytes`` is not
+given, raised to the largest tensor."""
 
 
 MAX_DEFAULT_THREADS = 64
@@ -47,16 +42,19 @@ flight are 512 MiB locally and 4 GiB remotely, deeper than any NVMe queue or NIC
 
 @dataclasses.dataclass(frozen=True)
 class LoadOptions:
-    """Options for one load. Every loader honours each field or rejects it in ``plan``.
+    """The core options of one load (destination, I/O, remote), which every loader honours or refuses
+    in ``check``; a loader's own options travel in :attr:`loader_options` (see :meth:`own`).
 
     Build it from keyword arguments with :meth:`from_kwargs`, which rejects unknown
-    names before any I/O.
+    names before any I/O (``weightstream.registry.bind_options`` adds a loader's own).
     """
 
     device: str = "cpu"
-    """Where tensors land. Default ``"cpu"``: memory the caller owns."""
+    """Where tensors land: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. A CUDA device this machine lacks raises
+    ``DeviceUnavailableError``; other device types (``meta``, ``xpu``, ``mps``, ``hpu``, ...) raise
+    ``InvalidOptionError``; nothing falls back to the CPU. Default ``"cpu"``: memory the caller owns."""
 
-    pin_memory: bool | str = False
+    pin_memory: bool | Auto = False
     """Page-locked (pinned) CPU tensors: ``True``, ``False`` (default) or ``"auto"`` (pin when CUDA and
     cuda-python are available; the reason is logged when not). ``True`` without them raises
     ``DeviceUnavailableError``. For CPU destinations only."""
@@ -65,7 +63,7 @@ class LoadOptions:
     """CUDA destinations: pinned staging slots in the ring. Default 16: enough for the readers to
     keep filling slots while the copy engine drains others."""
 
-    gds: bool | str = False
+    gds: bool | Auto = False
     """CUDA destinations: GPUDirect Storage through cuFile (reads straight from the file into device
     memory): ``True`` (raise where cuFile cannot open), ``False`` (default: the staging ring), or
     ``"auto"`` (cuFile where the nvidia-fs module makes it real GPUDirect, else the ring, with the
@@ -79,7 +77,7 @@ class LoadOptions:
     threads: int | None = None
     """Reader threads. Default ``None``: twice the number of CPUs, at least 8 and at most 64 (a cold direct
     read wants many requests in flight; threads waiting on the disk leave the CPU to the others; past 64
-    the read loop gains nothing, see :data:`MAX_DEFAULT_THREADS`)."""
+    the read loop gains nothing: measured in ``benchmarks/README.md``, the read loop at scale)."""
 
     chunk_bytes: int | None = None
     """Largest single read request, in bytes (a multiple of 4096). Default ``None``: 8 MiB for local files,
@@ -87,13 +85,14 @@ class LoadOptions:
     ``benchmarks/README.md``); 64 MiB everywhere for ``format="distributed"``, where it is also the broadcast unit."""
 
     filter: TensorFilter | None = None
-    """Only these tensors (names or a predicate). Default ``None``: all of them."""
+    """Only these tensors: a collection of names, or a predicate on the name; only their bytes are read.
+    A listed name that is missing raises ``TensorNotFound``. Default ``None``: all of them."""
 
-    direct_io: bool | str = "auto"
+    direct_io: bool | Auto = "auto"
     """Read with O_DIRECT (skipping the page cache): ``True``, ``False``, or ``"auto"`` (default:
     direct for files mostly not in the page cache, when the filesystem allows it)."""
 
-    huge_pages: bool | str = "auto"
+    huge_pages: bool | Auto = "auto"
     """Ask for transparent huge pages on the destination memory: ``True``, ``False``, or ``"auto"``
     (default: for files read directly). On these VMs huge pages come host-cold and are slower to
     fault in than recycled 4 KiB pages, but a direct read pins and fills them faster."""
@@ -102,14 +101,17 @@ class LoadOptions:
     """Fault destination pages in from a helper thread, ahead of the readers. Default ``True``."""
 
     zero_copy: bool = False
-    """Return views of a private mapping of each file instead of owned memory: no copy and no
-    fresh pages, for callers that copy each tensor out at once. Default ``False``. The tensors
-    are file-backed: truncating the file while they live makes reading them fault (SIGBUS)."""
+    """Return views of a private mapping of each (local) file instead of owned memory: no copy and no
+    fresh pages, for callers that copy each tensor out at once. Default ``False``. Writing to a tensor
+    copies its page; truncating the file while one lives makes reading it fault (SIGBUS)."""
 
-    storage_options: Mapping[str, Any] | None = None
-    """Object stores: options for the fsspec filesystem (s3fs, gcsfs), e.g. ``{"endpoint_url": ...}``.
+    storage_options: Mapping[str, object] | None = None
+    """Remote sources. S3: ``endpoint_url``, ``key``, ``secret``, ``token``, ``region_name``, ``profile``,
+    ``anon``, ``client_kwargs``, ``config_kwargs`` (botocore's client; s3fs's names). GCS: options for
+    ``gcsfs.GCSFileSystem``. HTTP: only ``{"headers": {...}}`` (e.g. ``Authorization``, sent to the
+    URL's own host only). ``hf://``: ``cache_dir``, ``endpoint``, ``token``, ``offline``, ``headers``.
     Default ``None``: the standard environment variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
-    ``STORAGE_EMULATOR_HOST``, ...)."""
+    ``STORAGE_EMULATOR_HOST``, ``HF_TOKEN``, ...)."""
 
     retries: int = 5
     """Object stores: further attempts at a range after a transient failure (5xx, SlowDown, a reset
@@ -118,69 +120,28 @@ class LoadOptions:
     Default 5."""
 
     request_timeout_s: float = 30.0
-    """Object stores: seconds a request may go without receiving a byte before it counts as stalled
-    (and is retried). Default 30."""
+    """Object stores: seconds a request may go without receiving a byte, or below 64 KiB/s over that
+    long, before it counts as stalled (and is retried). Default 30."""
 
     deadline_s: float | None = None
-    """Object stores: seconds the whole read may take before ``SourceTimeout``. Default ``None``: no deadline."""
-
-    max_inflight_bytes: int | None = None
-    """The ``streaming`` loader: bytes of destination memory it holds at once (tensors being read plus
-    tensors read but not yet yielded; yielded tensors belong to the caller). At least ``chunk_bytes`` and,
-    checked at plan time, the largest selected tensor. Default ``None``: 1 GiB, or the largest selected
-    tensor if that is bigger. Other loaders hold the whole checkpoint and refuse it."""
+    """Object stores: seconds the whole read may take before ``SourceTimeout``, enforced inside every read
+    too. Default ``None``: no deadline."""
 
     progress: ProgressCallback | None = None
-    """Called from reader threads with each count of bytes read. Default ``None``."""
+    """A callable receiving byte counts as reads complete (called from reader threads). Default ``None``."""
 
-    rank: Rank | None = None
-    """The ``sharded-state`` loader: whose files to read, an ``int`` (or ``(pp_rank, tp_rank)`` for the
-    pipeline-parallel pattern). Default ``None``: ``torch.distributed``'s rank, if it is initialised."""
-
-    world_size: Rank | None = None
-    """The ``sharded-state`` loader: the world size the caller runs with, checked against the manifest
-    (``(pp_size, tp_size)`` with pipeline parallelism). Default ``None``: ``torch.distributed``'s, or the manifest's."""
-
-    shard_pattern: str | None = None
-    """The ``sharded-state`` loader: the file-name pattern of a directory without a manifest. Default ``None``:
-    ``model-rank-{rank}-part-{part}.safetensors`` (or the ``pp``/``tp`` one for a pair rank)."""
-
-    verify: bool = False
-    """The ``sharded-state`` loader: check every byte read against the manifest's checksums. Default ``False``."""
-
-    process_group: Any = None
-    """The ``distributed`` loader: the ``torch.distributed`` process group whose ranks share the load
-    (gloo, CPU tensors). Default ``None``: the default group."""
-
-    stats: Any = None
-    """The ``distributed`` loader: a ``weightstream.DistributedStats`` to fill in (bytes read from storage,
-    received, sent; seconds waiting for reads and sharing). Default ``None``."""
-
-    layer_rule: LayerRule | None = None
-    """The ``layered`` loader: which layer each tensor belongs to, a regular expression whose first group
-    captures the layer number or a callable name -> layer key (see ``weightstream.planning.layers``). Default
-    ``None``: Llama/Qwen/Mistral naming (``model.layers.<n>.``)."""
-
-    prefetch_layers: int = 1
-    """The ``layered`` loader: layers read ahead of the one the caller holds. It keeps
-    ``prefetch_layers + 1`` buffers of the largest layer's size and reuses them. Default 1."""
-
-    layer_hook: LayerHook | None = None
-    """The ``layered`` loader: called with each complete layer before it is yielded, in layer order;
-    what it returns is yielded instead (None: the layer as read). Default ``None``."""
-
-    copy_layers: bool = False
-    """The ``layered`` loader: yield copies the caller may keep, instead of views of the reused
-    buffers (which must be released before the layer after next is asked for). Default ``False``."""
+    loader_options: object = None
+    """The options of the loader reading (an instance of its ``options`` dataclass), set by
+    ``weightstream.registry.bind_options``; read them with :meth:`own`. Default ``None``: none given."""
 
     def __post_init__(self) -> None:
         _check_device(self.device)
-        if self.threads is not None and (not _is_int(self.threads) or self.threads < 1):
+        if self.threads is not None and (not is_int(self.threads) or self.threads < 1):
             raise InvalidOptionError(f"threads must be a positive integer or None, got {self.threads!r}")
-        if self.chunk_bytes is not None and (not _is_int(self.chunk_bytes) or self.chunk_bytes < 4096 or self.chunk_bytes % 4096):
+        if self.chunk_bytes is not None and (not is_int(self.chunk_bytes) or self.chunk_bytes < 4096 or self.chunk_bytes % 4096):
             raise InvalidOptionError(f"chunk_bytes must be a positive multiple of 4096 or None, got {self.chunk_bytes!r}")
         for name in ("staging_slots", "staging_slot_bytes"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise InvalidOptionError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.staging_slot_bytes % 4096:
             raise InvalidOptionError(f"staging_slot_bytes must be a multiple of 4096, got {self.staging_slot_bytes}")
@@ -189,7 +150,7 @@ class LoadOptions:
                 f"staging_slots x staging_slot_bytes = {self.staging_slots} x {self.staging_slot_bytes} bytes "
                 f"exceeds the {MAX_STAGING_BYTES >> 30} GiB bound on pinned staging"
             )
-        for name in ("prefault", "zero_copy", "copy_layers", "verify"):
+        for name in ("prefault", "zero_copy"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("direct_io", "huge_pages", "pin_memory", "gds"):
@@ -202,7 +163,7 @@ class LoadOptions:
             raise InvalidOptionError(f"gds=True reads into GPU memory; device {self.device!r} is not a GPU")
         if self.zero_copy and (not on_cpu or self.pin_memory is True):
             raise InvalidOptionError("zero_copy returns views of a file mapping: it cannot land on a GPU or in pinned memory")
-        if not _is_int(self.retries) or self.retries < 0:
+        if not is_int(self.retries) or self.retries < 0:
             raise InvalidOptionError(f"retries must be a non-negative integer, got {self.retries!r}")
         for name in ("request_timeout_s", "deadline_s"):
             value = getattr(self, name)
@@ -210,40 +171,26 @@ class LoadOptions:
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise InvalidOptionError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.max_inflight_bytes is not None:
-            if not _is_int(self.max_inflight_bytes) or self.max_inflight_bytes < 1:
-                raise InvalidOptionError(f"max_inflight_bytes must be a positive integer or None, got {self.max_inflight_bytes!r}")
-            if self.chunk_bytes is not None and self.max_inflight_bytes < self.chunk_bytes:
-                raise InvalidOptionError(
-                    f"max_inflight_bytes={self.max_inflight_bytes} is less than chunk_bytes={self.chunk_bytes}: "
-                    f"not even one read request would fit"
-                )
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise OptionError(f"storage_options must be a mapping, got {type(self.storage_options).__name__}")
         if self.progress is not None and not callable(self.progress):
             raise OptionError(f"progress must be callable, got {type(self.progress).__name__}")
         if self.filter is not None:
             object.__setattr__(self, "filter", _normalise_filter(self.filter))
-        if not _is_int(self.prefetch_layers) or self.prefetch_layers < 1:
-            raise InvalidOptionError(f"prefetch_layers must be a positive integer, got {self.prefetch_layers!r}")
-        if self.layer_hook is not None and not callable(self.layer_hook):
-            raise OptionError(f"layer_hook must be callable, got {type(self.layer_hook).__name__}")
-        if self.layer_rule is not None:
-            object.__setattr__(self, "layer_rule", compile_rule(self.layer_rule))
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> LoadOptions:
+    def from_kwargs(cls, **kwargs: object) -> LoadOptions:
         """Build options from keyword arguments, rejecting unknown names.
 
         Example:
             >>> LoadOptions.from_kwargs(threads=4).threads
             4
         """
-        known = {field.name for field in dataclasses.fields(cls)}
+        known = set(core_option_names())
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise OptionError(f"unknown option(s) {', '.join(unknown)}; known options: {', '.join(sorted(known))}")
-        return cls(**kwargs)
+        return cls(**kwargs)  # type: ignore[arg-type]  # each field checks its own type in __post_init__
 
     def request_bytes(self, uri: str) -> int:
         """The largest read request for the checkpoint at ``uri``: ``chunk_bytes``, or its default there.
@@ -268,15 +215,25 @@ class LoadOptions:
         deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
         return RetryPolicy(self.retries, self.request_timeout_s, deadline)
 
-    def changed(self, names: Collection[str]) -> list[str]:
-        """Which of the options ``names`` differ from their defaults.
+    def own(self, kind: type[LoaderOptions]) -> LoaderOptions:
+        """This load's options of the loader that declares ``kind``: those given, or ``kind``'s defaults.
+
+        Raises:
+            TypeError: the options bound are another loader's (a loader reading options not made for it).
 
         Example:
-            >>> LoadOptions(prefetch_layers=2).changed(LAYERED_OPTIONS)
-            ['prefetch_layers']
+            >>> import dataclasses
+            >>> @dataclasses.dataclass(frozen=True)
+            ... class Window:
+            ...     max_bytes: int = 64
+            >>> LoadOptions().own(Window).max_bytes, LoadOptions(loader_options=Window(8)).own(Window).max_bytes
+            (64, 8)
         """
-        defaults = {field.name: field.default for field in dataclasses.fields(self)}
-        return [name for name in names if getattr(self, name) != defaults[name]]
+        if self.loader_options is None:
+            return kind()
+        if not isinstance(self.loader_options, kind):
+            raise TypeError(f"options of {kind.__qualname__} asked for, but these hold {type(self.loader_options).__qualname__}")
+        return self.loader_options
 
     def refuse(self, reasons: Mapping[str, str]) -> None:
         """Raise ``InvalidOptionError`` for the first option of ``reasons`` that is set (not its default), with its reason.
@@ -287,22 +244,8 @@ class LoadOptions:
             ...
             weightstream.errors.InvalidOptionError: zero_copy=True: this loader reads into memory of its own
         """
-        for name in self.changed(reasons):
+        for name in changed_fields(self, reasons):
             raise InvalidOptionError(f"{name}={getattr(self, name)!r}: {reasons[name]}")
-
-    def refuse_foreign(self, loader: str) -> None:
-        """Raise ``InvalidOptionError`` if an option that only another loader honours is set, for ``loader``.
-
-        Example:
-            >>> LoadOptions(prefetch_layers=2).refuse_foreign("safetensors")
-            Traceback (most recent call last):
-            ...
-            weightstream.errors.InvalidOptionError: prefetch_layers: an option of format='layered'; the safetensors loader does not use it
-        """
-        for owner, names in OWNED_OPTIONS.items():
-            changed = self.changed(names) if owner != loader else []
-            if changed:
-                raise InvalidOptionError(f"{changed[0]}: an option of format={owner!r}; the {loader} loader does not use it")
 
     def wants(self, name: str) -> bool:
         """Whether the filter selects tensor ``name``."""
@@ -313,7 +256,36 @@ class LoadOptions:
         return name in self.filter
 
 
-def _is_int(value: object) -> bool:
+def core_option_names() -> tuple[str, ...]:
+    """The options every loader receives (the fields of :class:`LoadOptions` a caller sets).
+
+    Example:
+        >>> "device" in core_option_names(), "loader_options" in core_option_names()
+        (True, False)
+    """
+    return tuple(field.name for field in dataclasses.fields(LoadOptions) if field.name != "loader_options")
+
+
+def changed_fields(options: object, names: Collection[str] | None = None) -> list[str]:
+    """Which fields of the dataclass ``options`` (or of them, ``names``) differ from their defaults.
+
+    Example:
+        >>> changed_fields(LoadOptions(threads=4, zero_copy=True), ["threads", "device"])
+        ['threads']
+    """
+    fields = {field.name: field for field in dataclasses.fields(options)}  # type: ignore[arg-type]
+    wanted = fields if names is None else names
+    return [name for name in wanted if getattr(options, name) != _default(fields[name])]
+
+
+def _default(field: dataclasses.Field[object]) -> object:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an ``int`` and not a ``bool`` (which Python counts as one)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

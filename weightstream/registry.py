@@ -8,15 +8,17 @@ imported only when asked for. The registry is read-only to the world
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import logging
 import types
-from collections.abc import Callable
-from typing import Any, TypeVar, Union
+from collections.abc import Callable, Mapping
+from typing import TypeVar, Union, overload
 
-from weightstream.errors import LoaderRegistrationError, UnknownFormatError
+from weightstream.errors import InvalidOptionError, LoaderRegistrationError, OptionError, UnknownFormatError
 from weightstream.loaders.base import Loader
+from weightstream.options import LoadOptions, core_option_names
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +42,19 @@ _entry_points_loaded = False
 LoaderClass = TypeVar("LoaderClass", bound=type)
 
 
-def register_loader(name: str, loader: Union[str, type, None] = None, *, clobber: bool = False) -> Any:
+@overload
+def register_loader(name: str, loader: None = None, *, clobber: bool = False) -> Callable[[LoaderClass], LoaderClass]: ...
+@overload
+def register_loader(name: str, loader: str, *, clobber: bool = False) -> str: ...
+@overload
+def register_loader(name: str, loader: LoaderClass, *, clobber: bool = False) -> LoaderClass: ...
+def register_loader(
+    name: str, loader: Union[str, type, None] = None, *, clobber: bool = False
+) -> Union[str, type, Callable[[LoaderClass], LoaderClass]]:
     """Register ``loader`` (a class or a ``"module:Class"`` path) under ``name``.
 
-    Usable as a decorator. Registering a different loader under a taken name raises
+    Usable as a decorator. A loader with options of its own declares them as a dataclass in its
+    ``options`` class attribute: :func:`bind_options` validates them (by constructing it) before any I/O. Registering a different loader under a taken name raises
     unless ``clobber=True``; registering the same one again is a no-op.
 
     Raises:
@@ -97,15 +108,115 @@ def get_loader(name: str) -> Loader:
         UnknownFormatError: no such format; the message lists the known ones.
         LoaderRegistrationError: the loader could not be imported or is not a loader.
     """
+    cls = loader_class(name)
+    instance = cls()
+    if not isinstance(instance, Loader):
+        raise LoaderRegistrationError(f"format {name!r}: {_describe(cls)} lacks name, check(), plan() or iter_weights()")
+    options = options_class(cls)
+    if options is not None and not dataclasses.is_dataclass(options):
+        raise LoaderRegistrationError(f"format {name!r}: {_describe(cls)}.options must be a dataclass, got {options!r}")
+    return instance
+
+
+def options_class(loader: object) -> type | None:
+    """The dataclass of a loader's own options (its ``options`` attribute), or ``None`` if it has none.
+
+    Example:
+        >>> options_class(get_loader("layered")).__name__, options_class(get_loader("safetensors"))
+        ('LayeredOptions', None)
+    """
+    options = getattr(loader, "options", None)
+    return options if isinstance(options, type) else None
+
+
+def split_options(options: Mapping[str, object]) -> tuple[LoadOptions, dict[str, object]]:
+    """The core options of ``options``, checked, and the rest (options of some loader), before any I/O.
+
+    Raises:
+        OptionError: a name that is neither a core option nor an option of any registered loader.
+        InvalidOptionError: a core option's value is invalid.
+
+    Example:
+        >>> core, rest = split_options({"threads": 4, "prefetch_layers": 2})
+        >>> core.threads, rest
+        (4, {'prefetch_layers': 2})
+    """
+    core_names = set(core_option_names())
+    rest = {name: value for name, value in options.items() if name not in core_names}
+    for name in rest:
+        if owner_of_option(name) is None:
+            known = sorted(core_names | set(all_loader_option_names()))
+            raise OptionError(f"unknown option(s) {name}; known options: {', '.join(known)}")
+    core = LoadOptions.from_kwargs(**{name: value for name, value in options.items() if name in core_names})
+    return core, rest
+
+
+def bind_options(loader: Loader, opts: LoadOptions, own: Mapping[str, object]) -> LoadOptions:
+    """``opts`` with ``loader``'s own options built from ``own`` (each checked by its dataclass).
+
+    Raises:
+        InvalidOptionError: an option of another loader, or an invalid value.
+        OptionError: a name no loader knows, or a value of the wrong type.
+
+    Example:
+        >>> bind_options(get_loader("layered"), LoadOptions(), {"prefetch_layers": 2}).loader_options
+        LayeredOptions(prefetch_layers=2, layer_rule=None, layer_hook=None, copy_layers=False)
+    """
+    declared = options_class(loader)
+    accepted = {field.name for field in dataclasses.fields(declared)} if declared is not None else set()
+    for name in own:
+        if name in accepted:
+            continue
+        owner = owner_of_option(name)
+        if owner is None:
+            raise OptionError(f"unknown option {name!r} for format={loader.name!r}; its options: {', '.join(sorted(accepted)) or 'none'}")
+        raise InvalidOptionError(f"{name}: an option of format={owner!r}; the {loader.name} loader does not use it")
+    return dataclasses.replace(opts, loader_options=None if declared is None else declared(**own))
+
+
+def owner_of_option(name: str) -> str | None:
+    """The first registered format (built-ins first) whose own options include ``name``.
+
+    Example:
+        >>> owner_of_option("max_inflight_bytes"), owner_of_option("no_such_option")
+        ('streaming', None)
+    """
+    for format, names in _options_by_format().items():
+        if name in names:
+            return format
+    return None
+
+
+def all_loader_option_names() -> list[str]:
+    """Every registered loader's own options' names (those of loaders that cannot be imported left out)."""
+    return sorted({name for names in _options_by_format().values() for name in names})
+
+
+def _options_by_format() -> dict[str, tuple[str, ...]]:
+    _load_entry_points()
+    found = {}
+    for format in sorted(_registry, key=lambda name: (name not in BUILTIN_LOADERS, name)):
+        try:
+            declared = options_class(loader_class(format))
+        except LoaderRegistrationError:
+            continue  # a broken third-party entry is reported when it is asked for, not here
+        if declared is not None and dataclasses.is_dataclass(declared):
+            found[format] = tuple(field.name for field in dataclasses.fields(declared))
+    return found
+
+
+def loader_class(name: str) -> type:
+    """The class registered under ``name``, imported if it was a dotted path (not instantiated).
+
+    Raises:
+        UnknownFormatError: no such format.
+        LoaderRegistrationError: it could not be imported.
+    """
     _load_entry_points()
     if name not in _registry:
         raise UnknownFormatError(f"unknown format {name!r}; known formats: {', '.join(sorted(_registry))}")
     entry = _registry[name]
-    cls = _import(name, entry) if isinstance(entry, str) else entry
-    instance = cls()
-    if not isinstance(instance, Loader):
-        raise LoaderRegistrationError(f"format {name!r}: {_describe(cls)} lacks name, check(), plan() or iter_weights()")
-    return instance
+    return _import(name, entry) if isinstance(entry, str) else entry
 
 
 def _import(name: str, path: str) -> type:

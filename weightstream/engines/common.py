@@ -16,9 +16,8 @@ import torch
 import weightstream
 from weightstream.errors import EngineUnavailableError, InvalidOptionError, WeightsMismatchError
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
-from weightstream.options import LoadOptions
 from weightstream.planning.checkpoint import find_files
-from weightstream.registry import available_loaders
+from weightstream.registry import available_loaders, split_options
 from weightstream.sources import hub
 from weightstream.sources.local import LocalStore
 from weightstream.sources.pagecache import resident_fraction
@@ -73,7 +72,7 @@ def loader_options(extra: Mapping[str, Any] | None, load_format: str) -> tuple[s
     owned = sorted(ENGINE_OWNED & options.keys())
     if owned:
         raise InvalidOptionError(f"{load_format}: {', '.join(owned)} in the extra loader config: the engine decides these")
-    LoadOptions.from_kwargs(**options)
+    split_options(options)
     return uri, options
 
 

@@ -22,6 +22,10 @@ class Loader(Protocol):
     indexes). ``iter_weights`` yields ``(name, tensor)`` pairs of a plan it made (or a part of one:
     the same files, fewer tensors) and, on any error, stops its workers and releases its memory
     before raising.
+
+    A loader with options of its own declares them as a frozen dataclass in an ``options`` class
+    attribute (``options: ClassVar[type] = MyOptions``; optional): ``weightstream.open`` builds it from
+    the caller's keyword arguments before any I/O, and the loader reads it with ``opts.own(MyOptions)``.
     """
 
     name: ClassVar[str]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -15,6 +16,26 @@ from weightstream.planning.plan import LoadPlan
 from weightstream.readers.distributed import DistributedStats, read_distributed, told_to_peers
 from weightstream.sources import Store
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedOptions:
+    """The ``distributed`` loader's own options."""
+
+    process_group: ProcessGroup | None = None
+    """The ``torch.distributed`` process group whose ranks share the load (gloo for CPU tensors, NCCL
+    for CUDA ones). Default ``None``: the default group."""
+
+    stats: DistributedStats | None = None
+    """A ``weightstream.DistributedStats`` to fill in (bytes read from storage, received, sent; seconds
+    waiting for reads and sharing). Default ``None``."""
+
+    def __post_init__(self) -> None:
+        if self.stats is not None and not isinstance(self.stats, DistributedStats):
+            raise InvalidOptionError(f"stats must be a weightstream.DistributedStats, got {type(self.stats).__name__}")
+
 
 class DistributedLoader:
     """Every rank of ``process_group`` (default: the default group) calls it on the same checkpoint:
@@ -24,15 +45,10 @@ class DistributedLoader:
     the pinned staging ring) over NCCL."""
 
     name: ClassVar[str] = "distributed"
+    options: ClassVar[type] = DistributedOptions
 
     def check(self, opts: LoadOptions) -> None:
-        opts.refuse_foreign(self.name)
-        opts.refuse({
-            "zero_copy": "maps whole files; each rank here reads only its share",
-            "max_inflight_bytes": "every rank holds the whole checkpoint; use format='streaming' for a window",
-        })
-        if opts.stats is not None and not isinstance(opts.stats, DistributedStats):
-            raise InvalidOptionError(f"stats must be a weightstream.DistributedStats, got {type(opts.stats).__name__}")
+        opts.refuse({"zero_copy": "maps whole files; each rank here reads only its share"})
         check_destination(opts.device, opts.pin_memory)
         _group_of(opts)
 
@@ -51,23 +67,25 @@ TRANSPORTS = {"cpu": "gloo", "cuda": "nccl"}
 """The backend that shares tensors on each kind of device."""
 
 
-def _group_of(opts: LoadOptions) -> Any:
+def _group_of(opts: LoadOptions) -> ProcessGroup | None:
     """The process group of the load (None: the default group), once it is known to be usable."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         raise InvalidOptionError("the distributed loader needs torch.distributed initialised (init_process_group) on every rank")
     kind = torch.device(opts.device).type
-    backend = dist.get_backend(opts.process_group)  # "gloo", "nccl", or per device: "cpu:gloo,cuda:nccl"
+    group = opts.own(DistributedOptions).process_group
+    backend = dist.get_backend(group)  # "gloo", "nccl", or per device: "cpu:gloo,cuda:nccl"
     if TRANSPORTS[kind] not in {part.rsplit(":", 1)[-1] for part in backend.split(",")}:
         raise InvalidOptionError(f"the distributed loader shares {kind.upper()} tensors over {TRANSPORTS[kind]}; the process group's backend is {backend!r}")
-    return opts.process_group
+    return group
 
 
-def _read(store: Store, plan: LoadPlan, opts: LoadOptions, group: Any, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _read(store: Store, plan: LoadPlan, opts: LoadOptions, group: ProcessGroup | None, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    stats = opts.own(DistributedOptions).stats
     if torch.device(opts.device).type == "cuda":
         from weightstream.memory.cuda import CudaStaging
 
-        yield from read_distributed(store, plan, opts, group, staging=CudaStaging(opts.device), stats=opts.stats)
+        yield from read_distributed(store, plan, opts, group, staging=CudaStaging(opts.device), stats=stats)
     else:
-        yield from read_distributed(store, plan, opts, group, pinned=pinned, stats=opts.stats)
+        yield from read_distributed(store, plan, opts, group, pinned=pinned, stats=stats)

@@ -3,22 +3,66 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import torch
 
-from weightstream.errors import InvalidOptionError
+from weightstream.errors import InvalidOptionError, OptionError
 from weightstream.loaders.safetensors import plan_checkpoint
 from weightstream.memory.devices import check_destination
-from weightstream.options import LoadOptions
-from weightstream.planning.layers import Layer, group_layers
+from weightstream.options import LoadOptions, is_int
+from weightstream.planning.layers import Layer, LayerRule, compile_rule, group_layers
 from weightstream.planning.plan import LoadPlan
-from weightstream.readers.layered import Tensors, read_layers
+from weightstream.readers.layered import LayerHook, LayerReading, Tensors, read_layers
 from weightstream.sources import Store
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayeredOptions:
+    """The ``layered`` loader's own options."""
+
+    prefetch_layers: int = 1
+    """Layers read ahead of the one the caller holds. It keeps ``prefetch_layers + 1`` buffers of the
+    largest layer's size and reuses them. Default 1."""
+
+    layer_rule: LayerRule | None = None
+    """Which layer each tensor belongs to: a regular expression whose first group captures the layer
+    number, or a callable name -> layer key (see ``weightstream.planning.layers``). Default ``None``:
+    Llama/Qwen/Mistral naming (``model.layers.<n>.``)."""
+
+    layer_hook: LayerHook | None = None
+    """``hook(key, tensors)``, called with each complete layer before it is yielded, in layer order;
+    what it returns (e.g. quantized tensors and their scales) is yielded instead, ``None`` yields the
+    layer as read. Default ``None``."""
+
+    copy_layers: bool = False
+    """Yield copies the caller may keep, instead of views of the reused buffers (which must be
+    released before the layer after next is asked for). Default ``False``."""
+
+    def __post_init__(self) -> None:
+        if not is_int(self.prefetch_layers) or self.prefetch_layers < 1:
+            raise InvalidOptionError(f"prefetch_layers must be a positive integer, got {self.prefetch_layers!r}")
+        if self.layer_hook is not None and not callable(self.layer_hook):
+            raise OptionError(f"layer_hook must be callable, got {type(self.layer_hook).__name__}")
+        if not isinstance(self.copy_layers, bool):
+            raise OptionError(f"copy_layers must be a bool, got {type(self.copy_layers).__name__}")
+        if self.layer_rule is not None:
+            object.__setattr__(self, "layer_rule", compile_rule(self.layer_rule))
+
+    @property
+    def rule(self) -> re.Pattern[str] | Callable[[str], str] | None:
+        """The layer rule, compiled."""
+        return self.layer_rule  # type: ignore[return-value]  # compiled in __post_init__
+
+    def reading(self) -> LayerReading:
+        """What the reader needs of these options."""
+        return LayerReading(self.prefetch_layers, self.copy_layers, self.layer_hook)
 
 
 class LayeredLoader:
@@ -32,28 +76,26 @@ class LayeredLoader:
     """
 
     name: ClassVar[str] = "layered"
+    options: ClassVar[type] = LayeredOptions
     reuses_memory: ClassVar[bool] = True
-    """Yielded tensors share buffers that later layers reuse: ``load_weights``, which keeps them all, asks for copies."""
+    """Yielded tensors share buffers that later layers reuse: ``load_weights``, which keeps them all, asks for copies
+    (``copy_layers=True``)."""
 
     def check(self, opts: LoadOptions) -> None:
-        opts.refuse({
-            "zero_copy": "maps whole files, while this loader reads into buffers it reuses; use format='safetensors'",
-            "max_inflight_bytes": "this loader's memory is bounded by prefetch_layers instead",
-        })
-        opts.refuse_foreign(self.name)
+        opts.refuse({"zero_copy": "maps whole files, while this loader reads into buffers it reuses; use format='safetensors'"})
         if opts.gds is True:
             raise InvalidOptionError("gds=True: the layered loader reaches a GPU through the pinned staging ring, not cuFile")
         check_destination(opts.device, opts.pin_memory)
 
     def plan(self, store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
         plan = plan_checkpoint(store, uri, opts)
-        group_layers(plan.tensors, opts.layer_rule)  # a rule that fails on a name fails here, before any read
+        group_layers(plan.tensors, opts.own(LayeredOptions).rule)  # a rule that fails on a name fails here, before any read
         return plan
 
     def iter_layers(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, Tensors]]:
         """Yield ``(layer key, {name: tensor})`` for each layer of ``plan``, in layer order."""
         pinned = check_destination(opts.device, opts.pin_memory)
-        layers = group_layers(plan.tensors, opts.layer_rule)
+        layers = group_layers(plan.tensors, opts.own(LayeredOptions).rule)
         return _read(store, plan, layers, opts, pinned)
 
     def iter_weights(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
@@ -69,7 +111,7 @@ def _read(store: Store, plan: LoadPlan, layers: list[Layer], opts: LoadOptions, 
         if opts.gds == "auto":
             log.info("gds='auto': the layered loader reads through the staging ring")
         staging = CudaStaging(opts.device)
-    yield from read_layers(store, plan, layers, opts, pinned=pinned, staging=staging)
+    yield from read_layers(store, plan, layers, opts, opts.own(LayeredOptions).reading(), pinned=pinned, staging=staging)
 
 
 def _one_by_one(layers: Iterator[tuple[str, Tensors]]) -> Iterator[tuple[str, torch.Tensor]]:

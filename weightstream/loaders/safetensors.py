@@ -29,12 +29,6 @@ class SafetensorsLoader:
     name: ClassVar[str] = "safetensors"
 
     def check(self, opts: LoadOptions) -> None:
-        if opts.max_inflight_bytes is not None:
-            raise InvalidOptionError(
-                f"max_inflight_bytes: the {self.name} loader holds the whole checkpoint; "
-                f"use format='streaming' for a bounded window"
-            )
-        opts.refuse_foreign(self.name)
         check_destination(opts.device, opts.pin_memory)
 
     def plan(self, store: Store, uri: str, opts: LoadOptions) -> LoadPlan:

@@ -16,6 +16,7 @@ from weightstream.errors import (
     InvalidOptionError,
     ManifestError,
     NotFound,
+    OptionError,
     SourceChangedError,
 )
 from weightstream.formats.manifest import (
@@ -45,6 +46,30 @@ from weightstream.readers.parallel import read_tensors
 from weightstream.sources import Store
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardedStateOptions:
+    """The ``sharded-state`` loader's own options."""
+
+    rank: Rank | None = None
+    """Whose files to read: an ``int``, or ``(pp_rank, tp_rank)`` for the pipeline-parallel pattern.
+    Default ``None``: ``torch.distributed``'s rank if it is initialised, else a world of one."""
+
+    world_size: Rank | None = None
+    """The world size the caller runs with, checked against the manifest (``(pp_size, tp_size)`` with
+    pipeline parallelism). Default ``None``: ``torch.distributed``'s, or the manifest's."""
+
+    shard_pattern: str | None = None
+    """The file-name pattern of a directory without a manifest. Default ``None``: vLLM's
+    ``model-rank-{rank}-part-{part}.safetensors`` (or the ``pp``/``tp`` one for a pair rank)."""
+
+    verify: bool = False
+    """Check every byte read against the manifest's checksums (xxh3-128). Default ``False``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.verify, bool):
+            raise OptionError(f"verify must be a bool, got {type(self.verify).__name__}")
+
+
 class ShardedStateLoader:
     """Reads the files of one rank of a directory saved by :func:`weightstream.save_sharded_state`,
     by vLLM's ``ShardedStateLoader.save_model`` or by SGLang's ``save_sharded_model``.
@@ -57,22 +82,21 @@ class ShardedStateLoader:
     """
 
     name: ClassVar[str] = "sharded-state"
+    options: ClassVar[type] = ShardedStateOptions
 
     def check(self, opts: LoadOptions) -> None:
-        opts.refuse_foreign(self.name)
-        opts.refuse({"max_inflight_bytes": "this loader holds its rank's whole state; use format='streaming' for a window"})
-        if opts.verify and torch.device(opts.device).type == "cuda":
+        if opts.own(ShardedStateOptions).verify and torch.device(opts.device).type == "cuda":
             raise InvalidOptionError("verify=True checks bytes on the host: load to the CPU (or pinned memory), then move them")
         check_destination(opts.device, opts.pin_memory)
         _rank_of(opts)
 
     def plan(self, store: Store, uri: str, opts: LoadOptions) -> ShardedStatePlan:
         rank, world_size = _rank_of(opts)
-        paths, manifest = rank_files(store, uri, rank, world_size, opts)
+        paths, manifest = rank_files(store, uri, rank, world_size, opts.own(ShardedStateOptions))
         plan = plan_checkpoint(store, uri, opts, CheckpointFiles(files=tuple(paths)))
         if manifest is not None:
             _check_against_manifest(store, plan, manifest, paths)
-        elif opts.verify:
+        elif opts.own(ShardedStateOptions).verify:
             raise InvalidOptionError(f"verify=True: {uri} has no manifest for this rank, so no checksums to verify against")
         return ShardedStatePlan(plan.uri, plan.files, plan.tensors, manifest)
 
@@ -90,7 +114,9 @@ class ShardedStatePlan(LoadPlan):
     manifest: Manifest | None = None
 
 
-def rank_files(store: Store, uri: str, rank: Rank | None, world_size: Rank | None, opts: LoadOptions) -> tuple[list[str], Manifest | None]:
+def rank_files(
+    store: Store, uri: str, rank: Rank | None, world_size: Rank | None, opts: ShardedStateOptions
+) -> tuple[list[str], Manifest | None]:
     """The paths of ``rank``'s files in the directory ``uri``, in part order, and its manifest if it has one.
     Without a rank (none given, no ``torch.distributed``), a directory of a single rank (a world of one) is read.
 
@@ -133,8 +159,9 @@ def rank_files(store: Store, uri: str, rank: Rank | None, world_size: Rank | Non
     return [store.join(uri, parts[number]) for number in sorted(parts)], None
 
 
-def _rank_of(opts: LoadOptions) -> tuple[Rank, Rank | None]:
+def _rank_of(load: LoadOptions) -> tuple[Rank | None, Rank | None]:
     """The caller's rank and world size: the options', else ``torch.distributed``'s."""
+    opts = load.own(ShardedStateOptions)
     if opts.rank is not None:
         _check_rank_shape(opts.rank, "rank")
         if opts.world_size is not None:
@@ -150,7 +177,7 @@ def _rank_of(opts: LoadOptions) -> tuple[Rank, Rank | None]:
     return None, None
 
 
-def _only_rank(store: Store, uri: str, names: set[str], opts: LoadOptions) -> Rank:
+def _only_rank(store: Store, uri: str, names: set[str], opts: ShardedStateOptions) -> Rank:
     """Rank 0 of a state saved for a world of one; else the caller must say which rank it is."""
     for single, world in ((0, 1), ((0, 0), (1, 1))):
         if manifest_name(single) in names:
@@ -177,7 +204,9 @@ def _read_manifest(store: Store, path: str) -> Manifest:
     return parse_manifest(read_small_file(store, path, MAX_MANIFEST_BYTES, ManifestError, "a manifest"), path)
 
 
-def _files_of_manifest(store: Store, uri: str, names: set[str], manifest: Manifest, rank: Rank, world_size: Rank | None, opts: LoadOptions) -> list[str]:
+def _files_of_manifest(
+    store: Store, uri: str, names: set[str], manifest: Manifest, rank: Rank, world_size: Rank | None, opts: ShardedStateOptions
+) -> list[str]:
     where = store.join(uri, manifest_name(rank))
     if manifest.rank != rank:
         raise ManifestError(f"{where}: written for {describe(manifest.rank)}, found as {describe(rank)}'s manifest")
@@ -222,12 +251,13 @@ def _read(store: Store, plan: LoadPlan, opts: LoadOptions, manifest: Manifest | 
     if manifest is None:
         yield from read_tensors(store, plan, opts)
         return
-    checksums = _checksums_by_tensor(plan, manifest) if opts.verify else {}
-    if opts.verify:
+    verify = opts.own(ShardedStateOptions).verify
+    checksums = _checksums_by_tensor(plan, manifest) if verify else {}
+    if verify:
         _verify_headers(store, plan, manifest)
     with contextlib.closing(read_tensors(store, plan, opts)) as tensors:
         for name, tensor in tensors:
-            if opts.verify:
+            if verify:
                 _verify_tensor(name, tensor, checksums[name], manifest.checksum)
             yield name, tensor
     _check_same_save(store, plan.uri, manifest)

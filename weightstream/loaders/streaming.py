@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -10,10 +11,26 @@ import torch
 from weightstream.errors import InvalidOptionError
 from weightstream.loaders.safetensors import plan_checkpoint
 from weightstream.memory.devices import check_destination
-from weightstream.options import LoadOptions
+from weightstream.options import LoadOptions, is_int
 from weightstream.planning.plan import LoadPlan
 from weightstream.readers.streaming import read_streaming, window_bytes
 from weightstream.sources import Store
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingOptions:
+    """The ``streaming`` loader's own options."""
+
+    max_inflight_bytes: int | None = None
+    """Bytes of destination memory held at once: tensors being read plus tensors read but not yet
+    yielded (yielded ones belong to the caller). At least one read request (``chunk_bytes``) and,
+    checked at plan time, the largest selected tensor. Default ``None``: 1 GiB, or the largest
+    selected tensor if bigger. Other loaders hold the whole checkpoint and refuse it (their CUDA
+    destinations still go through a 1 GiB device window)."""
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_bytes is not None and (not is_int(self.max_inflight_bytes) or self.max_inflight_bytes < 1):
+            raise InvalidOptionError(f"max_inflight_bytes must be a positive integer or None, got {self.max_inflight_bytes!r}")
 
 
 class StreamingLoader:
@@ -26,11 +43,16 @@ class StreamingLoader:
     """
 
     name: ClassVar[str] = "streaming"
+    options: ClassVar[type] = StreamingOptions
 
     def check(self, opts: LoadOptions) -> None:
         if opts.zero_copy:
             raise InvalidOptionError("zero_copy maps whole files: the streaming loader reads into memory of its own")
-        opts.refuse_foreign(self.name)
+        window = opts.own(StreamingOptions).max_inflight_bytes
+        if window is not None and opts.chunk_bytes is not None and window < opts.chunk_bytes:
+            raise InvalidOptionError(
+                f"max_inflight_bytes={window} is less than chunk_bytes={opts.chunk_bytes}: not even one read request would fit"
+            )
         check_destination(opts.device, opts.pin_memory)
 
     def plan(self, store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
@@ -43,7 +65,7 @@ class StreamingLoader:
 
 def _fits_window(plan: LoadPlan, opts: LoadOptions) -> LoadPlan:
     """``plan``, once its largest tensor and (on a GPU) the staging ring are known to fit the window."""
-    window = window_bytes(plan, opts)
+    window = window_bytes(plan, opts, opts.own(StreamingOptions).max_inflight_bytes)
     staging = opts.staging_slots * opts.staging_slot_bytes
     if torch.device(opts.device).type == "cuda" and staging > window:
         raise InvalidOptionError(
@@ -53,10 +75,11 @@ def _fits_window(plan: LoadPlan, opts: LoadOptions) -> LoadPlan:
 
 
 def _stream(store: Store, plan: LoadPlan, opts: LoadOptions, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    window = opts.own(StreamingOptions).max_inflight_bytes
     if torch.device(opts.device).type == "cuda":
         from weightstream.memory.cuda import CudaStaging
         from weightstream.readers.staged import read_staged
 
-        yield from read_staged(store, plan, opts, CudaStaging(opts.device))
+        yield from read_staged(store, plan, opts, CudaStaging(opts.device), window)
     else:
-        yield from read_streaming(store, plan, opts, pinned=pinned)
+        yield from read_streaming(store, plan, opts, pinned=pinned, max_inflight_bytes=window)

@@ -55,6 +55,22 @@ log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
 
+LayerHook = Callable[[str, Tensors], "Mapping[str, torch.Tensor] | None"]
+"""Called with each complete layer (key, tensors) before it is yielded; returns the tensors to yield
+instead (e.g. quantized ones), or None to yield the layer as read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReading:
+    """How layers are handed over: how many are read ahead, copied or not, and the hook they pass."""
+
+    prefetch_layers: int = 1
+    """Layers read ahead of the one the caller holds (``prefetch_layers + 1`` buffers)."""
+    copy_layers: bool = False
+    """Yield copies instead of views of the reused buffers."""
+    layer_hook: LayerHook | None = None
+    """Called on each complete layer; what it returns is yielded."""
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerPart:
@@ -97,7 +113,14 @@ def layout_layers(layers: Sequence[Layer], paths: Sequence[str], chunk_bytes: in
 
 
 def read_layers(
-    store: Store, plan: LoadPlan, layers: Sequence[Layer], opts: LoadOptions, *, pinned: bool, staging: Staging | None = None
+    store: Store,
+    plan: LoadPlan,
+    layers: Sequence[Layer],
+    opts: LoadOptions,
+    reading: LayerReading,
+    *,
+    pinned: bool,
+    staging: Staging | None = None,
 ) -> Iterator[tuple[str, Tensors]]:
     """Yield ``(layer key, {name: tensor})`` for each of ``layers`` in order, through reused buffers.
 
@@ -105,12 +128,12 @@ def read_layers(
     buffers are the staging's memory, reached through the staging ring.
 
     Example:
-        >>> for key, tensors in read_layers(store, plan, group_layers(plan.tensors), LoadOptions(), pinned=False):  # doctest: +SKIP
+        >>> for key, tensors in read_layers(store, plan, group_layers(plan.tensors), LoadOptions(), LayerReading(), pinned=False):  # doctest: +SKIP
         ...     model.get_submodule(key).load_state_dict(tensors, strict=False)
     """
     request_bytes = opts.request_bytes(plan.uri)
     chunk_bytes = request_bytes if staging is None else min(request_bytes, opts.staging_slot_bytes)
-    largest, count = max((layer.nbytes for layer in layers), default=0), min(opts.prefetch_layers + 1, len(layers))
+    largest, count = max((layer.nbytes for layer in layers), default=0), min(reading.prefetch_layers + 1, len(layers))
     check_fits(largest * count, opts.device, f"{plan.uri} ({count} buffer(s) of its largest layer)")
     paths = list(dict.fromkeys(spec.file for spec in plan.tensors))
     layouts = layout_layers(layers, paths, chunk_bytes)
@@ -118,7 +141,7 @@ def read_layers(
     with contextlib.ExitStack() as cleanup:
         handles = cleanup.enter_context(FileHandles(store, opts))
         sources = [handles.source(files[path]) for path in paths]
-        buffers = _Buffers(layouts, opts, sources, pinned, staging)
+        buffers = _Buffers(layouts, opts, count, sources, pinned, staging)
         cleanup.callback(buffers.clear)  # registered first: emptied after the readers stopped writing
         ring = None
         if staging is not None:
@@ -143,11 +166,11 @@ def read_layers(
 
         keeper = _Keeper(len(layouts), len(buffers), start)
         cleanup.callback(keeper.stop)  # runs before the readers shut down: nothing submits after
-        held = _HeldLayers(len(buffers), opts.prefetch_layers)
+        held = _HeldLayers(len(buffers), reading.prefetch_layers)
         for number, layout in enumerate(layouts):
             buffer, reads = keeper.wait_for(number, functools.partial(held.check, number, layout.key))
             _finish(reads, ring)
-            if opts.copy_layers:
+            if reading.copy_layers:
                 tensors = _tensors_over(layout, buffers.copy_out(layout, buffer))
                 keeper.released.put(buffer)
                 held.add(layout.key, None)
@@ -158,8 +181,8 @@ def read_layers(
                 tensors = _tensors_over(layout, alias)
                 del alias  # from here on, the tensors alone keep it alive
                 held.add(layout.key, release)
-            if opts.layer_hook is not None:
-                tensors = _hooked(layout.key, tensors, opts)
+            if reading.layer_hook is not None:
+                tensors = _hooked(layout.key, tensors, reading.layer_hook)
             yield layout.key, tensors
             del tensors
 
@@ -167,9 +190,10 @@ def read_layers(
 class _Buffers:
     """The reused buffers of one load: host arenas, or memory of the staging's device."""
 
-    def __init__(self, layouts: list[LayerLayout], opts: LoadOptions, sources: list[Source], pinned: bool, staging: Staging | None) -> None:
+    def __init__(
+        self, layouts: list[LayerLayout], opts: LoadOptions, count: int, sources: list[Source], pinned: bool, staging: Staging | None
+    ) -> None:
         capacity = max((layout.buffer_bytes for layout in layouts), default=0)
-        count = min(opts.prefetch_layers + 1, len(layouts))
         self._pinned = pinned
         self._staging = staging
         self._huge_pages = any(wants_huge_pages(source, opts) for source in sources)
@@ -318,9 +342,9 @@ def _tensors_over(layout: LayerLayout, raw: torch.Tensor) -> Tensors:
     return {spec.name: views[spec.name] for spec in layout.tensors}
 
 
-def _hooked(key: str, tensors: Tensors, opts: LoadOptions) -> Tensors:
+def _hooked(key: str, tensors: Tensors, hook: LayerHook) -> Tensors:
     """What ``layer_hook`` makes of the layer: its result, checked, or the layer itself for None."""
-    result = opts.layer_hook(key, tensors)
+    result = hook(key, tensors)
     if result is None:
         return tensors
     if not isinstance(result, Mapping):

@@ -46,16 +46,18 @@ class Staging(Protocol):
         """``nbytes`` of uint8 destination memory for ``file``'s tensors."""
 
 
-def read_staged(store: Store, plan: LoadPlan, opts: LoadOptions, staging: Staging) -> Iterator[tuple[str, torch.Tensor]]:
+def read_staged(
+    store: Store, plan: LoadPlan, opts: LoadOptions, staging: Staging, max_inflight_bytes: int | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of ``plan`` in ``staging``'s memory, in completion order,
-    holding at most the window (``max_inflight_bytes``, or the default) of destination memory that the
-    caller has not been given yet.
+    holding at most the window (``max_inflight_bytes``, or the default for ``None``) of destination memory
+    that the caller has not been given yet.
 
     Example:
         >>> for name, tensor in read_staged(LocalStore(), plan, opts, CudaStaging("cuda:0")):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
-    window = window_bytes(plan, opts)
+    window = window_bytes(plan, opts, max_inflight_bytes)
     check_fits(window, str(staging.device), plan.uri)
     chunk_bytes = min(opts.request_bytes(plan.uri), opts.staging_slot_bytes)
     with contextlib.ExitStack() as cleanup:

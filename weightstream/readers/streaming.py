@@ -70,27 +70,27 @@ def plan_batches(plan: LoadPlan, chunk_bytes: int) -> list[Batch]:
     return batches
 
 
-def window_bytes(plan: LoadPlan, opts: LoadOptions) -> int:
-    """The window this load streams through: ``max_inflight_bytes``, or the default.
+def window_bytes(plan: LoadPlan, opts: LoadOptions, max_inflight_bytes: int | None) -> int:
+    """The window this load streams through: ``max_inflight_bytes``, or the default for ``None``.
 
     Raises:
         InvalidOptionError: ``max_inflight_bytes`` cannot hold one read request or the largest selected tensor.
     """
     largest = max(plan.tensors, key=lambda spec: spec.nbytes, default=None)
     needed = 0 if largest is None else round_up_to_page(largest.nbytes) + PAGE  # a run may start mid-page
-    if opts.max_inflight_bytes is None:
+    if max_inflight_bytes is None:
         return max(DEFAULT_INFLIGHT_BYTES, needed)
-    if opts.max_inflight_bytes < opts.request_bytes(plan.uri):
+    if max_inflight_bytes < opts.request_bytes(plan.uri):
         raise InvalidOptionError(
-            f"max_inflight_bytes={opts.max_inflight_bytes} is less than one read request of {plan.uri} "
+            f"max_inflight_bytes={max_inflight_bytes} is less than one read request of {plan.uri} "
             f"({opts.request_bytes(plan.uri)} bytes, chunk_bytes); lower chunk_bytes or raise the window"
         )
-    if needed > opts.max_inflight_bytes:
+    if needed > max_inflight_bytes:
         raise InvalidOptionError(
-            f"max_inflight_bytes={opts.max_inflight_bytes} cannot hold tensor {largest.name!r} of {largest.file} "
+            f"max_inflight_bytes={max_inflight_bytes} cannot hold tensor {largest.name!r} of {largest.file} "
             f"({largest.nbytes} bytes, {needed} with page alignment); raise it or leave it None"
         )
-    return opts.max_inflight_bytes
+    return max_inflight_bytes
 
 
 class BatchMemory(Protocol):
@@ -131,14 +131,17 @@ class HostLanding:
         """Host reads land in place: nothing to wait for."""
 
 
-def read_streaming(store: Store, plan: LoadPlan, opts: LoadOptions, *, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of ``plan`` in completion order, within the window.
+def read_streaming(
+    store: Store, plan: LoadPlan, opts: LoadOptions, *, pinned: bool, max_inflight_bytes: int | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of ``plan`` in completion order, within a window of
+    ``max_inflight_bytes`` (``None``: the default window).
 
     Example:
         >>> for name, tensor in read_streaming(store, plan, LoadOptions(), pinned=False):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
-    window = window_bytes(plan, opts)
+    window = window_bytes(plan, opts, max_inflight_bytes)
     check_fits(window, opts.device, plan.uri)
     with contextlib.ExitStack() as cleanup:
         yield from read_windowed(cleanup, store, plan, opts, HostLanding(opts, pinned=pinned), opts.request_bytes(plan.uri), window)
