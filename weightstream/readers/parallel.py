@@ -19,7 +19,7 @@ import torch
 
 from weightstream.errors import DeviceUnavailableError
 from weightstream.memory.devices import check_destination, check_fits
-from weightstream.memory.host import HostArena, MappedFile
+from weightstream.memory.host import HostArena, view_as
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import FileLayout, LoadPlan, ReadRequest, layout_file
 from weightstream.readers.files import FileHandles
@@ -32,6 +32,7 @@ from weightstream.readers.tasks import (
 )
 from weightstream.sources.base import Source, Store
 from weightstream.sources.local import LocalStore
+from weightstream.sources.mapped import MappedFile
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def _mapped_tensors(plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, to
         mapped = MappedFile(spec.path, spec.size, spec.version)
         try:
             for tensor in tensors:
-                yield tensor.name, mapped.tensor(tensor)
+                yield tensor.name, view_as(mapped.bytes, tensor.offset, tensor)
             mapped.verify_unchanged()
         finally:
             mapped.close()  # a failed load's traceback holds this frame: it must not hold the mapping too

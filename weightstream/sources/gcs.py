@@ -18,7 +18,7 @@ from typing import Any
 from weightstream.errors import NotFound, SourceError
 from weightstream.sources.backends import require
 from weightstream.sources.http_range import RangeTarget
-from weightstream.sources.objectstore import ObjectSource, RemoteStore
+from weightstream.sources.remote import RangeSource, RemoteStore
 from weightstream.sources.retry import RetryPolicy, Transient
 
 VERSION_KEY = "generation"
@@ -69,7 +69,7 @@ class GcsStore(RemoteStore):
             names.append(name)
         return sorted(names)
 
-    def open(self, uri: str, *, direct: bool | str = False) -> ObjectSource:
+    def open(self, uri: str, *, direct: bool | str = False) -> RangeSource:
         """Open ``uri`` at its current generation (``direct`` has no meaning for objects and is ignored)."""
         info = self._listed.get(uri.rstrip("/"))
         if info is None or not info.get(VERSION_KEY):
@@ -78,9 +78,9 @@ class GcsStore(RemoteStore):
             raise NotFound(f"{uri}: is a prefix, not an object")
         if not info.get(VERSION_KEY):
             raise SourceError(f"{uri}: the store gave no {VERSION_KEY}, so reads cannot be pinned to one version")
-        return ObjectSource(self, uri, int(info["size"]), str(info[VERSION_KEY]))
+        return RangeSource(self, uri, int(info["size"]), str(info[VERSION_KEY]))
 
-    def range_target(self, source: ObjectSource) -> RangeTarget:
+    def range_target(self, source: RangeSource) -> RangeTarget:
         """The download URL of the pinned generation; its answers must name that generation."""
         url = self.fs.url(self._key(source.uri), generation=source.version)
         return RangeTarget(url, self.fs._get_headers({}), GENERATION_HEADER, source.version)

@@ -18,7 +18,7 @@ from typing import Any
 
 from weightstream.errors import InvalidOptionError, NotFound, SourceError, UnsupportedInputError
 from weightstream.sources.http_range import RangeTarget
-from weightstream.sources.objectstore import ObjectSource, RemoteStore
+from weightstream.sources.remote import RangeSource, RemoteStore
 from weightstream.sources.retry import RetryPolicy, Transient
 
 FILE_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -90,7 +90,7 @@ class HttpStore(RemoteStore):
         parts = urllib.parse.urlsplit(directory)
         return urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + urllib.parse.quote(name)))
 
-    def open(self, uri: str, *, direct: bool | str = False) -> ObjectSource:
+    def open(self, uri: str, *, direct: bool | str = False) -> RangeSource:
         """Open ``uri`` at the version its ``HEAD`` shows (``direct`` has no meaning here and is ignored)."""
         answer = self._head(uri)
         length = answer.getheader("Content-Length")
@@ -104,9 +104,9 @@ class HttpStore(RemoteStore):
             version = LAST_MODIFIED + modified
         else:
             raise SourceError(f"{uri}: the server gave neither a strong ETag nor Last-Modified, so reads cannot be pinned to one version")
-        return ObjectSource(self, uri, int(length), version)
+        return RangeSource(self, uri, int(length), version)
 
-    def range_target(self, source: ObjectSource) -> RangeTarget:
+    def range_target(self, source: RangeSource) -> RangeTarget:
         """Where redirects led, the precondition of the pinned version, and the header its answers must repeat
         (servers that ignore ``If-Match`` still say which ETag they answer from)."""
         location = self._locations.get(source.uri, source.uri)

@@ -21,7 +21,7 @@ from typing import Any
 from weightstream.errors import InvalidOptionError, NotFound, SourceError
 from weightstream.sources.backends import require
 from weightstream.sources.http_range import RangeTarget
-from weightstream.sources.objectstore import ObjectSource, RemoteStore
+from weightstream.sources.remote import RangeSource, RemoteStore
 from weightstream.sources.retry import RetryPolicy, Transient
 
 STORAGE_OPTIONS = ("endpoint_url", "key", "secret", "token", "region_name", "profile", "anon", "client_kwargs", "config_kwargs")
@@ -106,7 +106,7 @@ class S3Store(RemoteStore):
             if not page.get("IsTruncated") or not token:
                 return sorted(names)
 
-    def open(self, uri: str, *, direct: bool | str = False) -> ObjectSource:
+    def open(self, uri: str, *, direct: bool | str = False) -> RangeSource:
         """Open ``uri`` at its current ETag (``direct`` has no meaning for objects and is ignored)."""
         listed = self._listed.get(uri.rstrip("/"))
         if listed is not None and listed["type"] == "directory":
@@ -116,9 +116,9 @@ class S3Store(RemoteStore):
             listed = {"size": answer["ContentLength"], "etag": answer.get("ETag")}
         if not listed["etag"]:
             raise SourceError(f"{uri}: the store gave no ETag, so reads cannot be pinned to one version")
-        return ObjectSource(self, uri, int(listed["size"]), str(listed["etag"]))
+        return RangeSource(self, uri, int(listed["size"]), str(listed["etag"]))
 
-    def range_target(self, source: ObjectSource) -> RangeTarget:
+    def range_target(self, source: RangeSource) -> RangeTarget:
         """A presigned GET URL of the object, ``If-Match: <ETag>``, and answers that must carry that ETag."""
         return RangeTarget(self._presigned_url(source.uri), {"If-Match": source.version}, "ETag", source.version)
 

@@ -16,7 +16,7 @@ from weightstream.sources.http_range import RangeClient, RangeTarget
 from weightstream.sources.retry import RetryPolicy
 
 
-class ObjectSource:
+class RangeSource:
     """One object at one version; each range is one request, retried and resumed as the policy says."""
 
     direct = False
@@ -58,13 +58,13 @@ class ObjectSource:
 
 
 class RangeStore(Protocol):
-    """What an :class:`ObjectSource` needs of its store: the retry policy, the connections, and
+    """What an :class:`RangeSource` needs of its store: the retry policy, the connections, and
     the URL and headers that fetch ranges of one object at its pinned version."""
 
     policy: RetryPolicy
     ranges: RangeClient
 
-    def range_target(self, source: ObjectSource) -> RangeTarget:
+    def range_target(self, source: RangeSource) -> RangeTarget:
         """The URL and headers of a range request for ``source`` (without the ``Range`` header), and the
         answer header that must name its pinned version."""
 
@@ -88,8 +88,8 @@ class RemoteStore:
         """Objects are never read around a page cache."""
         return False
 
-    def open_pinned(self, uri: str, size: int, version: str, *, direct: bool | str = False) -> ObjectSource:
-        return ObjectSource(self, uri, size, version)
+    def open_pinned(self, uri: str, size: int, version: str, *, direct: bool | str = False) -> RangeSource:
+        return RangeSource(self, uri, size, version)
 
     def close(self) -> None:
         """Close the range connections; idempotent (stores with more to close extend it)."""
