@@ -61,14 +61,25 @@ def main() -> int:
         uri = demo_checkpoint(parse_size(args.size), shards=4, cache_dir=directory)
         for label, options, window in (
             ("safetensors (default window)", {"format": "safetensors"}, DEFAULT_INFLIGHT_BYTES),
-            ("streaming, max_inflight_bytes=256 MiB", {"format": "streaming", "max_inflight_bytes": 256 << 20}, 256 << 20),
+            (
+                "streaming, max_inflight_bytes=256 MiB",
+                {"format": "streaming", "max_inflight_bytes": 256 << 20},
+                256 << 20,
+            ),
         ):
             result = engine_style_load(uri, args.device, **options)
-            result.update(load=label, window=window, bounded=result["peak_above_parameters"] <= window + result["largest_tensor"] + 4096)
+            result.update(
+                load=label,
+                window=window,
+                bounded=result["peak_above_parameters"] <= window + result["largest_tensor"] + 4096,
+            )
             results.append(result)
             if not args.json:
-                print(f"{label}: {result['peak_above_parameters'] / 2**20:.0f} MiB above {result['parameter_bytes'] / 2**20:.0f} MiB "
-                      f"of parameters (window {window / 2**20:.0f} MiB), {result['gb_per_s']:.2f} GB/s")
+                print(
+                    f"{label}: {result['peak_above_parameters'] / 2**20:.0f} MiB above "
+                    f"{result['parameter_bytes'] / 2**20:.0f} MiB "
+                    f"of parameters (window {window / 2**20:.0f} MiB), {result['gb_per_s']:.2f} GB/s"
+                )
     if args.json:
         print(json.dumps(results, indent=2))
     return 0 if all(result["bounded"] for result in results) else 1

@@ -70,15 +70,26 @@ def run(method: str, ranks: int, uri: str, total: int) -> dict:
     mode = {"distributed": "distributed", "memory-floor": "floor"}.get(method, "plain")
     with tempfile.TemporaryDirectory() as rendezvous:
         init = f"file://{rendezvous}/rendezvous"
-        processes = [subprocess.Popen([sys.executable, "-c", RANK, mode, init, str(rank), str(world), uri, OPTIONS, str(total)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+        processes = [
+            subprocess.Popen(
+                [sys.executable, "-c", RANK, mode, init, str(rank), str(world), uri, OPTIONS, str(total)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(world)
+        ]
         results = []
         for process in processes:
             output, errors = process.communicate(timeout=900)
             if process.returncode != 0:
                 raise RuntimeError(f"{method}: a rank failed: {errors[-2000:]}")
             results.append(json.loads(output.strip().splitlines()[-1]))
-    return {"seconds": max(r["seconds"] for r in results), "storage_bytes": sum(r["storage_bytes"] for r in results), "ranks": results}
+    return {
+        "seconds": max(r["seconds"] for r in results),
+        "storage_bytes": sum(r["storage_bytes"] for r in results),
+        "ranks": results,
+    }
 
 
 def main() -> None:
@@ -93,21 +104,48 @@ def main() -> None:
     total = sum(os.path.getsize(path) for path in files)
     runs: dict[str, list[dict]] = {method: [] for method in METHODS}
     for round_number in range(args.rounds):
-        for method in METHODS[round_number % len(METHODS):] + METHODS[: round_number % len(METHODS)]:  # each method follows each other one in turn
+        for method in (
+            METHODS[round_number % len(METHODS) :] + METHODS[: round_number % len(METHODS)]
+        ):  # each method follows each other one in turn
             prepare_cache(files, "cold")
             runs[method].append(run(method, args.ranks, uri, total))
             last = runs[method][-1]
-            print(f"round {round_number + 1} {method:12s} {last['seconds']:6.2f} s  storage {last['storage_bytes'] / total:.2f}x", file=sys.stderr)
-    summary = [{"method": method, "ranks": 1 if method == "single" else args.ranks,
-                "seconds_median": statistics.median(r["seconds"] for r in measured),
-                "seconds_min": min(r["seconds"] for r in measured), "seconds_max": max(r["seconds"] for r in measured),
-                "storage_x_median": statistics.median(r["storage_bytes"] / total for r in measured)} for method, measured in runs.items()]
+            print(
+                f"round {round_number + 1} {method:12s} {last['seconds']:6.2f} s  storage "
+                f"{last['storage_bytes'] / total:.2f}x",
+                file=sys.stderr,
+            )
+    summary = [
+        {
+            "method": method,
+            "ranks": 1 if method == "single" else args.ranks,
+            "seconds_median": statistics.median(r["seconds"] for r in measured),
+            "seconds_min": min(r["seconds"] for r in measured),
+            "seconds_max": max(r["seconds"] for r in measured),
+            "storage_x_median": statistics.median(r["storage_bytes"] / total for r in measured),
+        }
+        for method, measured in runs.items()
+    ]
     for row in summary:
-        print(f"{row['method']:12s} x{row['ranks']}  {row['seconds_median']:6.2f} s ({row['seconds_min']:.2f}-{row['seconds_max']:.2f})  "
-              f"storage {row['storage_x_median']:.2f}x the checkpoint")
+        print(
+            f"{row['method']:12s} x{row['ranks']}  {row['seconds_median']:6.2f} s "
+            f"({row['seconds_min']:.2f}-{row['seconds_max']:.2f})  "
+            f"storage {row['storage_x_median']:.2f}x the checkpoint"
+        )
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"uri": uri, "bytes": total, "ranks": args.ranks, "rounds": args.rounds, "summary": summary, "runs": runs}, out, indent=2)
+            json.dump(
+                {
+                    "uri": uri,
+                    "bytes": total,
+                    "ranks": args.ranks,
+                    "rounds": args.rounds,
+                    "summary": summary,
+                    "runs": runs,
+                },
+                out,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

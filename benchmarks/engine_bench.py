@@ -22,9 +22,21 @@ from weightstream.bench.demo import LlamaShape, llama_state_dict, write_sharded
 from weightstream.bench.runner import prepare_cache
 
 SHAPE = LlamaShape(layers=12)
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 12,
-          "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-          "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+}
 
 
 def model_directory() -> Path:
@@ -36,12 +48,14 @@ def model_directory() -> Path:
     return directory
 
 
-def interleaved_rounds(methods: list[str], rounds: int, files: list[str], run: Callable[[str], float]) -> dict[str, dict[str, list[float]]]:
+def interleaved_rounds(
+    methods: list[str], rounds: int, files: list[str], run: Callable[[str], float]
+) -> dict[str, dict[str, list[float]]]:
     """``run(method)`` seconds, per cache and method: each round cold then warm, the method order rotated."""
     runs: dict[str, dict[str, list[float]]] = {cache: {method: [] for method in methods} for cache in ("cold", "warm")}
     for round_number in range(rounds):
         for cache in ("cold", "warm"):
-            for method in methods[round_number % len(methods):] + methods[: round_number % len(methods)]:
+            for method in methods[round_number % len(methods) :] + methods[: round_number % len(methods)]:
                 prepare_cache(files, cache)
                 runs[cache][method].append(run(method))
                 print(f"round {round_number + 1} {cache} {method:24s} {runs[cache][method][-1]:.2f} s", file=sys.stderr)
@@ -56,6 +70,17 @@ def summarise(runs: dict[str, dict[str, list[float]]], reference: str) -> list[d
         for method, seconds in by_method.items():
             median = statistics.median(seconds)
             ratio = median / base if base else None
-            summary.append({"cache": cache, "method": method, "seconds_median": median, "seconds": seconds, f"x_{reference}": ratio})
-            print(f"{cache:5s} {method:24s} {median:6.2f} s  ({', '.join(f'{s:.2f}' for s in seconds)})" + (f"  {ratio:.2f}x {reference}" if ratio else ""))
+            summary.append(
+                {
+                    "cache": cache,
+                    "method": method,
+                    "seconds_median": median,
+                    "seconds": seconds,
+                    f"x_{reference}": ratio,
+                }
+            )
+            print(
+                f"{cache:5s} {method:24s} {median:6.2f} s  ({', '.join(f'{s:.2f}' for s in seconds)})"
+                + (f"  {ratio:.2f}x {reference}" if ratio else "")
+            )
     return summary

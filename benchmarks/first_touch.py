@@ -55,11 +55,16 @@ def main() -> None:
     results: dict[tuple, list[float]] = {case: [] for case in CASES}
     for _ in range(args.rounds):
         for case in CASES:
-            output = subprocess.run([sys.executable, "-c", CASE, args.file, *map(str, case)], capture_output=True, text=True, check=True)
+            output = subprocess.run(
+                [sys.executable, "-c", CASE, args.file, *map(str, case)], capture_output=True, text=True, check=True
+            )
             results[case].append(json.loads(output.stdout))
     print(f"{os.path.getsize(args.file) / 2**30:.2f} GiB, {args.rounds} interleaved rounds, GB/s median (min-max)")
     for (kind, pages, threads), values in results.items():
-        print(f"{kind:8s} {pages:4s} {threads} threads  {statistics.median(values):6.2f} ({min(values):.2f}-{max(values):.2f})")
+        print(
+            f"{kind:8s} {pages:4s} {threads} threads  {statistics.median(values):6.2f} "
+            f"({min(values):.2f}-{max(values):.2f})"
+        )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from objectstore_bench import BUCKET, KEYS, start_seaweedfs, upload  # noqa: E402
+from objectstore_bench import BUCKET, KEYS, start_seaweedfs, upload
 
 IMPORTS = {
     "weightstream": "import torch, time; t = time.perf_counter(); import weightstream; print(time.perf_counter() - t)",
@@ -39,7 +39,8 @@ S3_LOADS = {
         "import boto3, sys\n"
         "bucket, _, prefix = sys.argv[1][len('s3://'):].partition('/')\n"
         "client = boto3.client('s3')\n"
-        "names = [o['Key'] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + '/')['Contents'] if o['Key'].endswith('.safetensors')]\n"
+        "names = [o['Key'] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + '/')['Contents'] if "
+        "o['Key'].endswith('.safetensors')]\n"
         "bodies = [client.get_object(Bucket=bucket, Key=name)['Body'].read() for name in names]\n"
         "assert bodies"
     ),
@@ -47,7 +48,8 @@ S3_LOADS = {
         "import boto3, sys, torch\n"
         "bucket, _, prefix = sys.argv[1][len('s3://'):].partition('/')\n"
         "client = boto3.client('s3')\n"
-        "names = [o['Key'] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + '/')['Contents'] if o['Key'].endswith('.safetensors')]\n"
+        "names = [o['Key'] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + '/')['Contents'] if "
+        "o['Key'].endswith('.safetensors')]\n"
         "bodies = [client.get_object(Bucket=bucket, Key=name)['Body'].read() for name in names]\n"
         "assert bodies"
     ),
@@ -84,7 +86,7 @@ def zero_copy_rounds(path: str, rounds: int) -> dict[str, list[float]]:
         touch(load())
     seconds: dict[str, list[float]] = {name: [] for name in methods}
     for round_number in range(rounds):
-        for name in (list(methods) if round_number % 2 == 0 else list(reversed(methods))):
+        for name in list(methods) if round_number % 2 == 0 else list(reversed(methods)):
             start = time.perf_counter()
             weights = methods[name]()
             touch(weights)
@@ -96,7 +98,11 @@ def zero_copy_rounds(path: str, rounds: int) -> dict[str, list[float]]:
 def summary(seconds: dict[str, list[float]], ours: str) -> dict:
     """Medians, and each peer's median time over ours (above 1: ours is faster)."""
     medians = {name: statistics.median(values) for name, values in seconds.items()}
-    return {"seconds": seconds, "medians": medians, "peer_over_ours": {name: medians[name] / medians[ours] for name in medians if name != ours}}
+    return {
+        "seconds": seconds,
+        "medians": medians,
+        "peer_over_ours": {name: medians[name] / medians[ours] for name in medians if name != ours},
+    }
 
 
 def main() -> int:
@@ -115,7 +121,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as scratch:
         single = demo_checkpoint(512 << 20, shards=1, cache_dir=scratch)
-        path = os.path.join(single, sorted(name for name in os.listdir(single) if name.endswith(".safetensors"))[0])
+        path = os.path.join(single, min(name for name in os.listdir(single) if name.endswith(".safetensors")))
         report["zero-copy"] = summary(zero_copy_rounds(path, args.rounds), "weightstream")
 
         local = demo_checkpoint(256 << 20, shards=2, cache_dir=os.path.join(scratch, "s3-source"))
@@ -128,7 +134,7 @@ def main() -> int:
             for name, code in S3_LOADS.items():  # once each, unmeasured: the server's own caches warm
                 timed_process(code, uri, env=env)
             for round_number in range(args.rounds):
-                for name in (list(S3_LOADS) if round_number % 2 == 0 else list(reversed(S3_LOADS))):
+                for name in list(S3_LOADS) if round_number % 2 == 0 else list(reversed(S3_LOADS)):
                     loads[name].append(timed_process(S3_LOADS[name], uri, env=env))
             report["s3"] = summary(loads, "weightstream")
         finally:

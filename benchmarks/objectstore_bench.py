@@ -36,11 +36,21 @@ def start_seaweedfs(directory: Path) -> tuple[subprocess.Popen, str]:
     weed = Path(sys.executable).parent / "weed"
     port = free_port()
     command = [
-        str(weed if weed.exists() else shutil.which("weed") or "weed"), f"-logdir={directory}", "mini", f"-dir={directory / 'data'}",
-        "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
-        f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={BUCKET}",
+        str(weed if weed.exists() else shutil.which("weed") or "weed"),
+        f"-logdir={directory}",
+        "mini",
+        f"-dir={directory / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-master.telemetry=false",
+        "-webdav=false",
+        "-admin.ui=false",
+        f"-s3.port={port}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-bucket={BUCKET}",
     ]
-    log = open(directory / "weed.log", "wb")
+    log = open(directory / "weed.log", "wb")  # noqa: SIM115 - the server writes to it until it is stopped, then it is closed
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **KEYS})
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -60,20 +70,25 @@ def upload(endpoint: str, local: str, prefix: str) -> None:
     from boto3.s3.transfer import TransferConfig
 
     client = boto3.client(
-        "s3", endpoint_url=endpoint, aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"], region_name=KEYS["AWS_DEFAULT_REGION"],
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"],
+        region_name=KEYS["AWS_DEFAULT_REGION"],
     )
     deadline = time.monotonic() + 60
     while True:  # the bucket appears a little after the server answers
         try:
             client.head_bucket(Bucket=BUCKET)
             break
-        except Exception:  # noqa: BLE001 - any answer but success means not yet
+        except Exception:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
     for name in sorted(os.listdir(local)):
-        client.upload_file(os.path.join(local, name), BUCKET, f"{prefix}/{name}", Config=TransferConfig(multipart_chunksize=64 << 20))
+        client.upload_file(
+            os.path.join(local, name), BUCKET, f"{prefix}/{name}", Config=TransferConfig(multipart_chunksize=64 << 20)
+        )
 
 
 def main() -> int:
@@ -98,8 +113,8 @@ def main() -> int:
                 command += ["--methods", args.methods]
             if args.json:
                 with open(args.json, "w") as output:
-                    return subprocess.run([*command, "--json"], env=env, stdout=output).returncode
-            return subprocess.run(command, env=env).returncode
+                    return subprocess.run([*command, "--json"], env=env, stdout=output, check=False).returncode
+            return subprocess.run(command, env=env, check=False).returncode
         finally:
             process.terminate()
             process.wait(30)

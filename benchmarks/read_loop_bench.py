@@ -47,13 +47,26 @@ def checkpoint(directory: str) -> str:
     from weightstream.formats.writer import write_safetensors
 
     path = os.path.join(directory, "many.safetensors")
-    write_safetensors(path, {f"model.layers.{number // 64}.w{number % 64}": torch.full((1024,), number, dtype=torch.int32) for number in range(TENSORS)})
+    write_safetensors(
+        path,
+        {
+            f"model.layers.{number // 64}.w{number % 64}": torch.full((1024,), number, dtype=torch.int32)
+            for number in range(TENSORS)
+        },
+    )
     return path
 
 
 def run(checkout: str, path: str, slow_ms: float) -> float:
     environment = {**os.environ, "PYTHONPATH": checkout}
-    result = subprocess.run([sys.executable, "-c", RUN, path, str(slow_ms), str(TENSORS)], capture_output=True, text=True, env=environment, cwd=checkout, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", RUN, path, str(slow_ms), str(TENSORS)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=checkout,
+        check=True,
+    )
     return float(result.stdout.strip().splitlines()[-1])
 
 
@@ -72,12 +85,15 @@ def main() -> int:
             seconds: dict[str, list[float]] = {"this": [], "baseline": []}
             for round_number in range(args.rounds):
                 order = [("this", here), ("baseline", args.baseline)]
-                for name, checkout in (order if round_number % 2 == 0 else order[::-1]):
+                for name, checkout in order if round_number % 2 == 0 else order[::-1]:
                     seconds[name].append(run(checkout, path, slow))
             medians = {name: statistics.median(values) for name, values in seconds.items()}
             report[f"slow_ms={slow}"] = {"seconds": seconds, "medians": medians}
-            print(f"{TENSORS} requests, reads delayed {slow} ms: this {medians['this']:.2f} s, baseline {medians['baseline']:.2f} s "
-                  f"({medians['baseline'] / medians['this']:.2f}x)")
+            print(
+                f"{TENSORS} requests, reads delayed {slow} ms: this {medians['this']:.2f} s, baseline "
+                f"{medians['baseline']:.2f} s "
+                f"({medians['baseline'] / medians['this']:.2f}x)"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -27,10 +27,15 @@ from engine_bench import ROOT, interleaved_rounds, model_directory, summarise
 from tests.engine_envs import sglang_environment
 from tests.objstore import free_port
 
-METHODS = {"auto": ("auto", {}), "weightstream": ("weightstream", {}), "weightstream-copy": ("weightstream", {"zero_copy": False}),
-           "weightstream-layered": ("weightstream-layered", {})}
+METHODS = {
+    "auto": ("auto", {}),
+    "weightstream": ("weightstream", {}),
+    "weightstream-copy": ("weightstream", {"zero_copy": False}),
+    "weightstream-layered": ("weightstream-layered", {}),
+}
 """``weightstream``: the adapter's default on the CPU (local files mapped, ``zero_copy``); ``weightstream-copy``:
-read into weightstream's own memory first; ``weightstream-layered``: parameters on meta, each layer's given memory as it loads."""
+read into weightstream's own memory first; ``weightstream-layered``: parameters on meta, each layer's given memory
+as it loads."""
 RUN = r"""
 import json, sys, time
 from tests.sglang_check import start_sglang
@@ -41,8 +46,10 @@ from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.model_loader.loader import get_model_loader
 from sglang.srt.model_loader.utils import get_model_architecture
 model_config = ModelConfig(sys.argv[1], dtype="bfloat16")
-get_model_architecture(model_config)  # imports every model module once (~3 s): not loading, and the same for every method
-loader = get_model_loader(LoadConfig(load_format=sys.argv[2], model_loader_extra_config=json.loads(sys.argv[3])), model_config)
+# imports every model module once (~3 s): not loading, and the same for every method
+get_model_architecture(model_config)
+load_config = LoadConfig(load_format=sys.argv[2], model_loader_extra_config=json.loads(sys.argv[3]))
+loader = get_model_loader(load_config, model_config)
 started = time.perf_counter()
 loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
 print("LOADED", time.perf_counter() - started)
@@ -50,8 +57,15 @@ print("LOADED", time.perf_counter() - started)
 
 
 def run(python: str, environment: dict[str, str], model: Path, load_format: str, extra: dict) -> float:
-    result = subprocess.run([python, "-c", RUN, str(model), load_format, json.dumps(extra), str(free_port())], check=False, capture_output=True,
-                            text=True, cwd=ROOT, env=environment, timeout=900)
+    result = subprocess.run(
+        [python, "-c", RUN, str(model), load_format, json.dumps(extra), str(free_port())],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=environment,
+        timeout=900,
+    )
     lines = [line for line in result.stdout.splitlines() if line.startswith("LOADED ")]
     if result.returncode != 0 or not lines:
         raise RuntimeError(f"{load_format} {extra}: exit {result.returncode}:\n{result.stderr[-3000:]}")
@@ -67,11 +81,15 @@ def main() -> None:
     (python, environment), model = sglang_environment(), model_directory()
     files = sorted(str(path) for path in model.glob("*.safetensors"))
     methods = args.methods.split(",")
-    runs = interleaved_rounds(methods, args.rounds, files, lambda method: run(python, environment, model, *METHODS[method]))
+    runs = interleaved_rounds(
+        methods, args.rounds, files, lambda method: run(python, environment, model, *METHODS[method])
+    )
     summary = summarise(runs, "auto")
     if args.json:
         total = sum(os.path.getsize(path) for path in files)
-        Path(args.json).write_text(json.dumps({"model": str(model), "bytes": total, "rounds": args.rounds, "summary": summary}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"model": str(model), "bytes": total, "rounds": args.rounds, "summary": summary}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -43,9 +43,15 @@ def main() -> None:
         print(f"converting {source} into {sharded} ...", file=sys.stderr)
         convert_to_sharded_state(source, sharded, tp=args.tp)
     whole = list(find_files(LocalStore(), source).files)
-    rank_zero = sorted(os.path.join(sharded, name) for name in os.listdir(sharded) if name.startswith("model-rank-0-part-"))
+    rank_zero = sorted(
+        os.path.join(sharded, name) for name in os.listdir(sharded) if name.startswith("model-rank-0-part-")
+    )
     every_file = whole + [os.path.join(sharded, name) for name in os.listdir(sharded) if name.endswith(".safetensors")]
-    targets = {"weightstream": (source, whole), "weightstream-rank0": (sharded, rank_zero), "weightstream-rank0-verify": (sharded, rank_zero)}
+    targets = {
+        "weightstream": (source, whole),
+        "weightstream-rank0": (sharded, rank_zero),
+        "weightstream-rank0-verify": (sharded, rank_zero),
+    }
     methods, caches = args.methods.split(","), args.cache.split(",")
     runs: dict[tuple[str, str], list[dict]] = {(method, cache): [] for method in methods for cache in caches}
     for round_number in range(args.rounds):
@@ -55,20 +61,48 @@ def main() -> None:
                 prepare_cache(every_file if cache == "cold" else files, cache)
                 run = run_worker("cpu", method, uri, files)
                 runs[method, cache].append(run)
-                print(f"round {round_number + 1} {cache} {method:26s} {run['bytes'] / run['seconds'] / 1e9:5.2f} GB/s {run['seconds']:6.2f} s", file=sys.stderr)
+                print(
+                    f"round {round_number + 1} {cache} {method:26s} {run['bytes'] / run['seconds'] / 1e9:5.2f} GB/s "
+                    f"{run['seconds']:6.2f} s",
+                    file=sys.stderr,
+                )
     summary = []
     for (method, cache), measured in runs.items():
         gbps = [run["bytes"] / run["seconds"] / 1e9 for run in measured]
-        summary.append({"method": method, "cache": cache, "gbps_median": statistics.median(gbps), "gbps_min": min(gbps), "gbps_max": max(gbps),
-                        "seconds_median": statistics.median(run["seconds"] for run in measured), "bytes": measured[0]["bytes"],
-                        "peak_rss_above_baseline_median": statistics.median(run["peak_rss"] - run["baseline_rss"] for run in measured)})
+        summary.append(
+            {
+                "method": method,
+                "cache": cache,
+                "gbps_median": statistics.median(gbps),
+                "gbps_min": min(gbps),
+                "gbps_max": max(gbps),
+                "seconds_median": statistics.median(run["seconds"] for run in measured),
+                "bytes": measured[0]["bytes"],
+                "peak_rss_above_baseline_median": statistics.median(
+                    run["peak_rss"] - run["baseline_rss"] for run in measured
+                ),
+            }
+        )
     for row in summary:
-        print(f"{row['cache']:4s} {row['method']:26s} {row['gbps_median']:5.2f} GB/s ({row['gbps_min']:.2f}-{row['gbps_max']:.2f}) "
-              f"{row['seconds_median']:6.2f} s  {row['bytes'] / 2**30:.2f} GiB")
+        print(
+            f"{row['cache']:4s} {row['method']:26s} {row['gbps_median']:5.2f} GB/s "
+            f"({row['gbps_min']:.2f}-{row['gbps_max']:.2f}) "
+            f"{row['seconds_median']:6.2f} s  {row['bytes'] / 2**30:.2f} GiB"
+        )
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"source": source, "sharded": sharded, "tp": args.tp, "rounds": args.rounds, "summary": summary,
-                       "runs": {f"{m}/{c}": r for (m, c), r in runs.items()}}, out, indent=2)
+            json.dump(
+                {
+                    "source": source,
+                    "sharded": sharded,
+                    "tp": args.tp,
+                    "rounds": args.rounds,
+                    "summary": summary,
+                    "runs": {f"{m}/{c}": r for (m, c), r in runs.items()},
+                },
+                out,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

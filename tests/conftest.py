@@ -73,18 +73,25 @@ class Destination:
 CPU = Destination("cpu", {})
 _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 _NO_PINNING = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None, reason="needs CUDA and cuda-python"
+    not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None,
+    reason="needs CUDA and cuda-python",
 )
 DESTINATIONS = [
     pytest.param(CPU, id="cpu"),
-    pytest.param(Destination("pinned", {"pin_memory": True}, pinned=True), id="pinned", marks=[pytest.mark.cuda, _NO_PINNING]),
+    pytest.param(
+        Destination("pinned", {"pin_memory": True}, pinned=True), id="pinned", marks=[pytest.mark.cuda, _NO_PINNING]
+    ),
     pytest.param(Destination("cuda", {"device": "cuda"}, "cuda"), id="cuda", marks=[pytest.mark.cuda, _NO_CUDA]),
     pytest.param(
         Destination("cuda-small-ring", {"device": "cuda:0", "staging_slots": 2, "staging_slot_bytes": 8192}, "cuda"),
         id="cuda-small-ring",
         marks=[pytest.mark.cuda, _NO_CUDA],
     ),
-    pytest.param(Destination("cuda-gds-auto", {"device": "cuda", "gds": "auto"}, "cuda"), id="cuda-gds-auto", marks=[pytest.mark.cuda, _NO_CUDA]),
+    pytest.param(
+        Destination("cuda-gds-auto", {"device": "cuda", "gds": "auto"}, "cuda"),
+        id="cuda-gds-auto",
+        marks=[pytest.mark.cuda, _NO_CUDA],
+    ),
 ]
 """Every destination the loaders offer; GPU ones skip themselves without CUDA and run the same checks with it."""
 
@@ -95,7 +102,7 @@ def destination(request) -> Destination:
 
 
 def assert_same(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], on: Destination = CPU) -> None:
-    assert list(sorted(loaded)) == list(sorted(expected))
+    assert sorted(loaded) == sorted(expected)
     for name, tensor in expected.items():
         got = loaded[name]
         assert got.dtype == tensor.dtype, name
@@ -169,8 +176,9 @@ def seaweed(tmp_path_factory):
     the S3 endpoint reached through the standard AWS variables."""
     from tests.objstore import KEYS, seaweedfs
 
-    with seaweedfs(tmp_path_factory.mktemp("s3")) as (endpoint, filer), _environment(
-        {**KEYS, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"}
+    with (
+        seaweedfs(tmp_path_factory.mktemp("s3")) as (endpoint, filer),
+        _environment({**KEYS, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"}),
     ):
         yield endpoint, filer
 
@@ -194,9 +202,17 @@ def gcs_endpoint(tmp_path_factory):
 
     from tests.objstore import fake_gcs
 
-    fsspec.asyn.get_loop()  # fsspec's one IO thread lives as long as the process: started here, not counted as a load's leak
-    with fake_gcs(tmp_path_factory.mktemp("gcs")) as endpoint, _environment(
-        {"STORAGE_EMULATOR_HOST": endpoint, "FSSPEC_GCS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    # fsspec's one IO thread lives as long as the process: started here, not counted as a load's leak
+    fsspec.asyn.get_loop()
+    with (
+        fake_gcs(tmp_path_factory.mktemp("gcs")) as endpoint,
+        _environment(
+            {
+                "STORAGE_EMULATOR_HOST": endpoint,
+                "FSSPEC_GCS_TOKEN": "anon",
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            }
+        ),
     ):
         yield endpoint
 

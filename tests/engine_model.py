@@ -18,8 +18,17 @@ def make_tiny_llama(directory: str, seed: int = 0) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False, torch_dtype="float32")
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -36,7 +45,9 @@ def variant(model: Path, directory: Path, change: Callable[[dict], dict]) -> Pat
     for path in model.iterdir():
         if path.suffix == ".json":
             shutil.copy(path, directory / path.name)
-    save_file(change(load_file(model / "model.safetensors")), directory / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        change(load_file(model / "model.safetensors")), directory / "model.safetensors", metadata={"format": "pt"}
+    )
     return directory
 
 

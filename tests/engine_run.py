@@ -1,4 +1,5 @@
-"""What the engine scripts (``tests/vllm_generate.py``, ``tests/sglang_check.py``) share, in the engine's interpreter."""
+"""What the engine scripts (``tests/vllm_generate.py``, ``tests/sglang_check.py``) share, in the engine's
+interpreter."""
 
 from __future__ import annotations
 

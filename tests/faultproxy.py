@@ -16,6 +16,8 @@ import socket
 import struct
 import threading
 
+from typing_extensions import Self
+
 SLOWDOWN = (
     b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: 120\r\nConnection: close\r\n\r\n"
     + b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>".ljust(120)
@@ -47,7 +49,7 @@ class FaultProxy:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="test-fault-proxy", daemon=True)
 
-    def __enter__(self) -> FaultProxy:
+    def __enter__(self) -> Self:
         self._thread.start()
         self._ready.wait(10)
         return self
@@ -137,7 +139,9 @@ class FaultProxy:
                     client_writer.transport.abort()
                     raise ConnectionError("reset")
                 if fault.mode == "short":
-                    raise ConnectionError("closed early")  # the connection closes cleanly: a body shorter than announced
+                    raise ConnectionError(
+                        "closed early"
+                    )  # the connection closes cleanly: a body shorter than announced
                 await asyncio.sleep(3600)  # stall: hold the connection, forward nothing more
             client_writer.write(data)
             armed["sent"] += len(data)
@@ -146,7 +150,11 @@ class FaultProxy:
     def _match(self, line: str, ranges: str | None) -> Fault | None:
         with self._lock:
             for fault in self._faults:
-                if fault.done < fault.times and re.search(fault.pattern, line) and _span(ranges) >= fault.min_range_bytes:
+                if (
+                    fault.done < fault.times
+                    and re.search(fault.pattern, line)
+                    and _span(ranges) >= fault.min_range_bytes
+                ):
                     fault.done += 1
                     fault.hits.append(ranges)
                     return fault

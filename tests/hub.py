@@ -21,7 +21,15 @@ def commit_of(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-def cache_model(cache_dir: Path, repo_id: str, model: Path, *, revision: str = "main", commit: str | None = None, skip: tuple[str, ...] = ()) -> str:
+def cache_model(
+    cache_dir: Path,
+    repo_id: str,
+    model: Path,
+    *,
+    revision: str = "main",
+    commit: str | None = None,
+    skip: tuple[str, ...] = (),
+) -> str:
     """Put ``model``'s files (a directory, recursively) into the cache as commit ``commit`` of ``repo_id``, with
     ``refs/<revision>`` naming it; ``skip`` leaves those files out (an interrupted download). The commit."""
     commit = commit or commit_of(f"{repo_id}@{revision}:{model}")
@@ -31,7 +39,15 @@ def cache_model(cache_dir: Path, repo_id: str, model: Path, *, revision: str = "
         if relative in skip:
             continue
         data = file.read_bytes()
-        blob = repository / "blobs" / (hashlib.sha256(data).hexdigest() if file.suffix == ".safetensors" else hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
+        blob = (
+            repository
+            / "blobs"
+            / (
+                hashlib.sha256(data).hexdigest()
+                if file.suffix == ".safetensors"
+                else hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+            )
+        )
         blob.parent.mkdir(parents=True, exist_ok=True)
         blob.write_bytes(data)
         link = repository / "snapshots" / commit / relative
@@ -83,7 +99,10 @@ class HubServer(LoopbackServer):
                     return self._revision(repo_id, revision)
                 repo_id, _, rest = path.lstrip("/").partition("/resolve/")
                 commit, _, name = rest.partition("/")
-                if commit not in outer.commits.get(repo_id, set()) or not (outer.root / repo_id / commit / name).is_file():
+                if (
+                    commit not in outer.commits.get(repo_id, set())
+                    or not (outer.root / repo_id / commit / name).is_file()
+                ):
                     return self._send(404, b"", {"X-Error-Code": "EntryNotFound"})
                 location = f"{outer.cdn.url}/{urllib.parse.quote(f'{repo_id}/{commit}/{name}')}"
                 self._send(302, b"", {"Location": location, "X-Repo-Commit": commit})
@@ -96,8 +115,16 @@ class HubServer(LoopbackServer):
                 if commit is None:
                     return self._send(404, b'{"error": "Revision not found"}', {"X-Error-Code": "RevisionNotFound"})
                 tree = outer.root / repo_id / commit
-                siblings = [{"rfilename": path.relative_to(tree).as_posix()} for path in sorted(tree.rglob("*")) if path.is_file()]
-                self._send(200, json.dumps({"id": repo_id, "sha": commit, "siblings": siblings}).encode(), {"Content-Type": "application/json"})
+                siblings = [
+                    {"rfilename": path.relative_to(tree).as_posix()}
+                    for path in sorted(tree.rglob("*"))
+                    if path.is_file()
+                ]
+                self._send(
+                    200,
+                    json.dumps({"id": repo_id, "sha": commit, "siblings": siblings}).encode(),
+                    {"Content-Type": "application/json"},
+                )
 
             def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
                 self.send_response(status)

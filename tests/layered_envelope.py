@@ -14,7 +14,9 @@ from weightstream.planning.layers import group_layers
 
 def main(uri: str, prefetch_layers: int) -> dict:
     with weightstream.open(uri, "layered", prefetch_layers=prefetch_layers) as checkpoint:
-        largest = max(layer.nbytes for layer in group_layers(checkpoint.plan.tensors, checkpoint.options.loader_options.rule))
+        largest = max(
+            layer.nbytes for layer in group_layers(checkpoint.plan.tensors, checkpoint.options.loader_options.rule)
+        )
     layers = weightstream.iter_layers(uri, prefetch_layers=prefetch_layers)  # headers read, store opened
     baseline = start_peak()
     count = total = 0
@@ -23,7 +25,13 @@ def main(uri: str, prefetch_layers: int) -> dict:
             total += tensor.numel() * tensor.element_size()
         count += 1
         del tensors
-    return {"baseline": baseline, "peak_above_baseline": peak_rss() - baseline, "largest_layer": largest, "layers": count, "bytes": total}
+    return {
+        "baseline": baseline,
+        "peak_above_baseline": peak_rss() - baseline,
+        "largest_layer": largest,
+        "layers": count,
+        "bytes": total,
+    }
 
 
 if __name__ == "__main__":

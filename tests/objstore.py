@@ -64,12 +64,35 @@ def seaweedfs(directory: Path) -> Iterator[tuple[str, str]]:
     the bucket over plain HTTP (ranges, ETags, ``If-Match``). Every port is chosen free (its side services'
     defaults are fixed: two at once, as pytest-xdist's workers start them, would collide)."""
     port, filer_port = free_port(), free_port()
-    side_ports = [f"-{name}={free_port()}" for name in ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port.grpc",
-                                                        "s3.port.grpc", "admin.port", "admin.port.grpc")]
+    side_ports = [
+        f"-{name}={free_port()}"
+        for name in (
+            "master.port",
+            "master.port.grpc",
+            "volume.port",
+            "volume.port.grpc",
+            "filer.port.grpc",
+            "s3.port.grpc",
+            "admin.port",
+            "admin.port.grpc",
+        )
+    ]
     log = directory / "weed.log"
     command = [
-        _weed(), f"-logdir={directory}", "mini", f"-dir={directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-        "-webdav=false", "-admin.ui=false", f"-s3.port={port}", f"-filer.port={filer_port}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={BUCKET}",
+        _weed(),
+        f"-logdir={directory}",
+        "mini",
+        f"-dir={directory / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-master.telemetry=false",
+        "-webdav=false",
+        "-admin.ui=false",
+        f"-s3.port={port}",
+        f"-filer.port={filer_port}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-bucket={BUCKET}",
         *side_ports,
     ]
     sockets_before = set(Path("/tmp").glob("seaweedfs-*.sock"))
@@ -92,11 +115,14 @@ def s3_client(endpoint: str | None = None):
 
     session = botocore.session.Session()
     session.set_credentials(KEYS["AWS_ACCESS_KEY_ID"], KEYS["AWS_SECRET_ACCESS_KEY"])
-    return session.create_client("s3", region_name=KEYS["AWS_DEFAULT_REGION"], endpoint_url=endpoint or os.environ["AWS_ENDPOINT_URL"])
+    return session.create_client(
+        "s3", region_name=KEYS["AWS_DEFAULT_REGION"], endpoint_url=endpoint or os.environ["AWS_ENDPOINT_URL"]
+    )
 
 
 def put(scheme: str, path: Path, key: str) -> None:
-    """Upload the local file ``path`` as ``key`` in bucket ``bench`` of the session's S3 (``s3``) or GCS (``gs``) server."""
+    """Upload the local file ``path`` as ``key`` in bucket ``bench`` of the session's S3 (``s3``) or GCS (``gs``)
+    server."""
     if scheme == "s3":
         client = s3_client()
         try:
@@ -137,17 +163,35 @@ def fake_gcs(directory: Path) -> Iterator[str]:
     root.mkdir(parents=True)
     log = directory / "gcs.log"
     command = [
-        _server._get_binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-        "-public-host", f"127.0.0.1:{port}", "-external-url", f"http://127.0.0.1:{port}",
-        "-backend", "filesystem", "-filesystem-root", str(root), "-log-level", "warn",
+        _server._get_binary_path(),
+        "-scheme",
+        "http",
+        "-host",
+        "127.0.0.1",
+        "-port",
+        str(port),
+        "-public-host",
+        f"127.0.0.1:{port}",
+        "-external-url",
+        f"http://127.0.0.1:{port}",
+        "-backend",
+        "filesystem",
+        "-filesystem-root",
+        str(root),
+        "-log-level",
+        "warn",
     ]
     with open(log, "wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     try:
         endpoint = f"http://127.0.0.1:{port}"
         _wait_for(endpoint + "/storage/v1/b", process, log)
-        request = urllib.request.Request(endpoint + "/storage/v1/b", data=f'{{"name": "{BUCKET}"}}'.encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            endpoint + "/storage/v1/b",
+            data=f'{{"name": "{BUCKET}"}}'.encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         urllib.request.urlopen(request, timeout=10).read()
         yield endpoint
     finally:

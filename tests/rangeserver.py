@@ -114,7 +114,11 @@ class RangeServer(LoopbackServer):
                     piece = data if body else b""
                     self.send_response(200)
                 self.send_header("ETag", etag)
-                length = str(len(piece)) if body else (behaviour.content_length if behaviour.content_length is not None else str(size))
+                length = (
+                    str(len(piece))
+                    if body
+                    else (behaviour.content_length if behaviour.content_length is not None else str(size))
+                )
                 self.send_header("Content-Length", length)
                 self.end_headers()
                 if not body:

@@ -58,8 +58,9 @@ def start_sglang(model: str, port: int) -> None:
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
-    parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                                distributed_init_method=f"tcp://127.0.0.1:{port}")
+    parallel_state.init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
+    )
     reset_context()
     publish(ServerArgs(model_path=model, device="cpu"), role="test", ranks=SpawnRanks(world_rank=0))
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
@@ -73,15 +74,22 @@ def parse_cli(arguments: list[str]) -> dict:
     from sglang.srt.server_args import prepare_server_args
 
     server_args = prepare_server_args(arguments)
-    load_config = LoadConfig(load_format=server_args.load_format, model_loader_extra_config=server_args.model_loader_extra_config)
+    load_config = LoadConfig(
+        load_format=server_args.load_format, model_loader_extra_config=server_args.model_loader_extra_config
+    )
     loader = get_model_loader(load_config)
-    return {"load_format": str(server_args.load_format), "loader": type(loader).__name__, "loader_module": type(loader).__module__,
-            "options": getattr(loader, "options", None), "uri": getattr(loader, "uri", None)}
+    return {
+        "load_format": str(server_args.load_format),
+        "loader": type(loader).__name__,
+        "loader_module": type(loader).__module__,
+        "options": getattr(loader, "options", None),
+        "uri": getattr(loader, "uri", None),
+    }
 
 
 def load(case: dict):
-    """The model SGLang builds for ``case`` (``load_format``: a name, or ``class:<name>`` for our class passed directly):
-    its loader's class name and its parameters and buffers."""
+    """The model SGLang builds for ``case`` (``load_format``: a name, or ``class:<name>`` for our class passed
+    directly): its loader's class name and its parameters and buffers."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
@@ -103,7 +111,8 @@ def load(case: dict):
 
 
 def save_state(model_directory: str, directory: str, writer: str) -> None:
-    """The state of the model SGLang's ``auto`` builds, saved by ``writer`` (``weightstream`` or ``sglang``) as rank 0 of 1."""
+    """The state of the model SGLang's ``auto`` builds, saved by ``writer`` (``weightstream`` or ``sglang``) as rank 0
+    of 1."""
     import shutil
 
     from sglang.srt.configs.device_config import DeviceConfig
@@ -114,13 +123,17 @@ def save_state(model_directory: str, directory: str, writer: str) -> None:
     import weightstream
 
     model_config = ModelConfig(model_directory, dtype="float32")
-    model = get_model_loader(LoadConfig(load_format="auto"), model_config).load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+    model = get_model_loader(LoadConfig(load_format="auto"), model_config).load_model(
+        model_config=model_config, device_config=DeviceConfig("cpu")
+    )
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(model_directory):
         if name.endswith(".json"):
             shutil.copy(os.path.join(model_directory, name), directory)
     if writer == "weightstream":
-        weightstream.save_sharded_state(ShardedStateLoader._filter_subtensors(model.state_dict()), directory, rank=0, world_size=1)
+        weightstream.save_sharded_state(
+            ShardedStateLoader._filter_subtensors(model.state_dict()), directory, rank=0, world_size=1
+        )
     else:
         ShardedStateLoader.save_model(model, directory)
 
@@ -137,7 +150,9 @@ def main() -> None:
     for name, arguments in request.get("cli", {}).items():
         results[name] = _outcome(lambda arguments=arguments: parse_cli(arguments))
     for name, (directory, writer) in request.get("save", {}).items():
-        results[name] = _outcome(lambda directory=directory, writer=writer: save_state(request["model"], directory, writer))
+        results[name] = _outcome(
+            lambda directory=directory, writer=writer: save_state(request["model"], directory, writer)
+        )
     reference = None
     for name, case in request["cases"].items():
         try:
@@ -151,7 +166,9 @@ def main() -> None:
         results[name] = {
             "loader": loader,
             "names": sorted(tensors),
-            "differ": sorted(key for key in reference if key not in tensors or not torch.equal(reference[key], tensors[key])),
+            "differ": sorted(
+                key for key in reference if key not in tensors or not torch.equal(reference[key], tensors[key])
+            ),
             "extra": sorted(set(tensors) - set(reference)),
             "said": said,
         }

@@ -15,10 +15,12 @@ import weightstream
 @pytest.mark.parametrize("direct_io", [False, True])
 def test_misaligned_tensor_is_copied_to_aligned_memory(tmp_path: Path, direct_io, no_leaks):
     floats = torch.tensor([1.5, -2.25, 3.0], dtype=torch.float32)
-    header = json.dumps({
-        "odd": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
-        "f32": {"dtype": "F32", "shape": [3], "data_offsets": [3, 15]},
-    }).encode()
+    header = json.dumps(
+        {
+            "odd": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+            "f32": {"dtype": "F32", "shape": [3], "data_offsets": [3, 15]},
+        }
+    ).encode()
     header += b" " * (-len(header) % 8)
     path = tmp_path / "misaligned.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header + b"\x07\x08\x09" + floats.numpy().tobytes())

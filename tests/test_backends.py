@@ -23,7 +23,14 @@ def fake_distribution(directory: Path, name: str, version: str) -> Path:
     return directory
 
 
-@pytest.mark.parametrize(("uri", "name", "old"), [("s3://bucket/model/", "botocore", "1.0.0"), ("gs://bucket/model/", "gcsfs", "0.4.2"), ("gs://bucket/model/", "fsspec", "0.8.0")])
+@pytest.mark.parametrize(
+    ("uri", "name", "old"),
+    [
+        ("s3://bucket/model/", "botocore", "1.0.0"),
+        ("gs://bucket/model/", "gcsfs", "0.4.2"),
+        ("gs://bucket/model/", "fsspec", "0.8.0"),
+    ],
+)
 def test_a_too_old_backend_is_named_with_both_versions(tmp_path: Path, uri, name, old):
     site = fake_distribution(tmp_path / "site", name, old)
     script = f"""
@@ -36,11 +43,16 @@ except weightstream.MissingDependencyError as error:
     assert isinstance(error, ImportError) and isinstance(error, weightstream.UnsupportedInputError)
     print(error)
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60, check=False
+    )
     assert result.returncode == 0, result.stderr
     scheme = uri.split(":")[0]
-    assert re.fullmatch(rf"{scheme}:// needs {name}>={re.escape(MINIMUM_VERSIONS[name])}; {name} {re.escape(old)} is installed: pip install -U 'weightstream\[(s3|gcs)\]'\n",
-                        result.stdout), result.stdout
+    assert re.fullmatch(
+        rf"{scheme}:// needs {name}>={re.escape(MINIMUM_VERSIONS[name])}; {name} {re.escape(old)} is installed: pip "
+        r"install -U 'weightstream\[(s3|gcs)\]'\n",
+        result.stdout,
+    ), result.stdout
 
 
 def test_the_floors_of_the_extras_are_the_checked_minimums():
@@ -53,6 +65,8 @@ def test_the_floors_of_the_extras_are_the_checked_minimums():
                 assert release(floor) == release(MINIMUM_VERSIONS[name]), (extra, requirement)
 
 
-@pytest.mark.parametrize(("text", "parsed"), [("2024.6.0", (2024, 6, 0)), ("1.2rc1", (1, 2)), ("0.4.2", (0, 4, 2)), ("weird", (0,))])
+@pytest.mark.parametrize(
+    ("text", "parsed"), [("2024.6.0", (2024, 6, 0)), ("1.2rc1", (1, 2)), ("0.4.2", (0, 4, 2)), ("weird", (0,))]
+)
 def test_release_numbers(text, parsed):
     assert release(text) == parsed

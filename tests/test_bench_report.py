@@ -12,13 +12,30 @@ GIB = 1 << 30
 
 
 def run(seconds: float, **extra) -> dict:
-    return {"seconds": seconds, "first_tensor_seconds": 0.05, "bytes": 8 * GIB, "baseline_rss": 100, "peak_rss": 100 + 64 * 2**20, **extra}
+    return {
+        "seconds": seconds,
+        "first_tensor_seconds": 0.05,
+        "bytes": 8 * GIB,
+        "baseline_rss": 100,
+        "peak_rss": 100 + 64 * 2**20,
+        **extra,
+    }
 
 
 def gpu_report() -> BenchReport:
     rows = [
-        Row("weightstream", "warm", "cuda", [run(0.5, peak_device_bytes=8 * GIB, peak_pinned_bytes=128 << 20) for _ in range(3)]),
-        Row("safetensors.load_file", "warm", "cuda", [run(s, peak_device_bytes=8 * GIB, peak_pinned_bytes=0) for s in (2.0, 2.2, 1.8)]),
+        Row(
+            "weightstream",
+            "warm",
+            "cuda",
+            [run(0.5, peak_device_bytes=8 * GIB, peak_pinned_bytes=128 << 20) for _ in range(3)],
+        ),
+        Row(
+            "safetensors.load_file",
+            "warm",
+            "cuda",
+            [run(s, peak_device_bytes=8 * GIB, peak_pinned_bytes=0) for s in (2.0, 2.2, 1.8)],
+        ),
         Row("limit-h2d-pinned", "warm", "cuda", [run(0.4, peak_device_bytes=8 * GIB, peak_pinned_bytes=256 << 20)]),
         Row("instanttensor", "warm", "cuda", skipped="instanttensor is not installed"),
     ]
@@ -48,7 +65,9 @@ def test_gpu_json_carries_the_device_peaks(tmp_path):
 
 
 def test_cpu_table_has_no_gpu_columns():
-    report = BenchReport("/ckpt", ["/ckpt/a.safetensors"], 8 * GIB, 1, [Row("weightstream", "cold", "cpu", [run(4.0)])], {}, "cpu")
+    report = BenchReport(
+        "/ckpt", ["/ckpt/a.safetensors"], 8 * GIB, 1, [Row("weightstream", "cold", "cpu", [run(4.0)])], {}, "cpu"
+    )
     assert "GPU" not in format_table(report) and "peak_device_bytes_median" not in report.to_json()["results"][0]
 
 
@@ -75,14 +94,24 @@ def test_a_failing_peer_is_a_failed_row_and_the_run_goes_on(tmp_path, monkeypatc
         return run(0.5)
 
     monkeypatch.setattr(runner, "run_worker", worker)
-    report = runner.run_bench(str(checkpoint), methods=["weightstream", "safetensors.load_file"], caches=["warm"], rounds=3)
-    assert calls.count("safetensors.load_file") == 1 and calls.count("weightstream") == 3  # a failed peer is not run again
+    report = runner.run_bench(
+        str(checkpoint), methods=["weightstream", "safetensors.load_file"], caches=["warm"], rounds=3
+    )
+    assert (
+        calls.count("safetensors.load_file") == 1 and calls.count("weightstream") == 3
+    )  # a failed peer is not run again
     summary = {row["method"]: row for row in report.to_json()["results"]}
-    assert summary["safetensors.load_file"] == {"method": "safetensors.load_file", "cache": "warm",
-                                                "failed": "benchmark of safetensors.load_file failed (exit 1): PermissionError: access denied"}
+    assert summary["safetensors.load_file"] == {
+        "method": "safetensors.load_file",
+        "cache": "warm",
+        "failed": "benchmark of safetensors.load_file failed (exit 1): PermissionError: access denied",
+    }
     assert summary["weightstream"]["runs"] == 3
     assert report.to_json()["failed"] == {"safetensors.load_file (warm)": summary["safetensors.load_file"]["failed"]}
-    assert "warm  safetensors.load_file    FAILED: benchmark of safetensors.load_file failed (exit 1): PermissionError" in format_table(report)
+    assert (
+        "warm  safetensors.load_file    FAILED: benchmark of safetensors.load_file failed (exit 1): PermissionError"
+        in format_table(report)
+    )
     assert report.weightstream_failed() == []
     plot(report.to_json(), str(tmp_path / "bench.png"))
 
@@ -102,9 +131,21 @@ def test_the_cli_exits_non_zero_only_when_weightstream_failed(tmp_path, monkeypa
         return run(0.5)
 
     monkeypatch.setattr(runner, "run_worker", worker)
-    arguments = ["bench", str(checkpoint), "--methods", "weightstream,safetensors.load_file", "--cache", "warm", "--rounds", "1"]
+    arguments = [
+        "bench",
+        str(checkpoint),
+        "--methods",
+        "weightstream,safetensors.load_file",
+        "--cache",
+        "warm",
+        "--rounds",
+        "1",
+    ]
     failing.add("safetensors.load_file")
     assert cli.main(arguments) == 0
     failing.add("weightstream")
     assert cli.main([*arguments, "--json"]) == 1
-    assert "weightstream: error: weightstream (warm) failed: benchmark of weightstream failed (exit 1): boom" in capsys.readouterr().err
+    assert (
+        "weightstream: error: weightstream (warm) failed: benchmark of weightstream failed (exit 1): boom"
+        in capsys.readouterr().err
+    )

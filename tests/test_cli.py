@@ -16,7 +16,9 @@ from weightstream.cli import parse_size
 
 
 def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 @pytest.fixture
@@ -38,7 +40,9 @@ def test_inspect_json(checkpoint: Path, tiny_state):
 def test_inspect_text(checkpoint: Path, tiny_state):
     result = cli("inspect", str(checkpoint))
     assert result.returncode == 0, result.stderr
-    assert re.search(r"^model\.layers\.2\.mlp\.down_proj\.weight +BF16 +\[64, 160\] +20480$", result.stdout, re.MULTILINE)
+    assert re.search(
+        r"^model\.layers\.2\.mlp\.down_proj\.weight +BF16 +\[64, 160\] +20480$", result.stdout, re.MULTILINE
+    )
     assert f"{len(tiny_state)} tensors" in result.stdout
 
 
@@ -52,7 +56,9 @@ def test_load_json(checkpoint: Path, tiny_state):
 
 
 def test_load_streaming_in_a_window(checkpoint: Path, tiny_state):
-    result = cli("load", str(checkpoint), "--json", "--format", "streaming", "--chunk-mib", "1", "--max-inflight-mib", "2")
+    result = cli(
+        "load", str(checkpoint), "--json", "--format", "streaming", "--chunk-mib", "1", "--max-inflight-mib", "2"
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert (report["format"], report["tensors"]) == ("streaming", len(tiny_state))
@@ -82,8 +88,20 @@ def test_error_exit_status_and_message(tmp_path: Path):
 
 @pytest.mark.slow
 def test_bench_builds_the_demo_and_compares(tmp_path: Path):
-    result = cli("bench", "--size", "24MiB", "--cache-dir", str(tmp_path / "cache"), "--rounds", "1",
-                 "--methods", "weightstream,safetensors.load_file,limit-read-reused", "--json", "--plot", str(tmp_path / "bench.png"))
+    result = cli(
+        "bench",
+        "--size",
+        "24MiB",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--rounds",
+        "1",
+        "--methods",
+        "weightstream,safetensors.load_file,limit-read-reused",
+        "--json",
+        "--plot",
+        str(tmp_path / "bench.png"),
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert {(r["method"], r["cache"]) for r in report["results"]} == {
@@ -97,8 +115,22 @@ def test_bench_builds_the_demo_and_compares(tmp_path: Path):
 
 @pytest.mark.slow
 def test_bench_layered_on_a_demo_of_so_many_layers(tmp_path: Path):
-    result = cli("bench", "--size", "24MiB", "--layers", "4", "--cache-dir", str(tmp_path / "cache"), "--rounds", "1", "--cache", "warm",
-                 "--methods", "weightstream,weightstream-layered", "--json")
+    result = cli(
+        "bench",
+        "--size",
+        "24MiB",
+        "--layers",
+        "4",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--rounds",
+        "1",
+        "--cache",
+        "warm",
+        "--methods",
+        "weightstream,weightstream-layered",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert {r["method"] for r in report["results"]} == {"weightstream", "weightstream-layered"}
@@ -112,14 +144,18 @@ def test_bench_an_object_store(s3_endpoint, checkpoint: Path, tmp_path: Path):
 
     uri = upload("s3", checkpoint, "cli-bench")
     methods = ("weightstream", "limit-transport-8-ranges", "limit-obstore-16-ranges", "fsspec-sequential")
-    result = cli("bench", uri, "--rounds", "1", "--methods", ",".join(methods), "--json", "--plot", str(tmp_path / "s3.png"))
+    result = cli(
+        "bench", uri, "--rounds", "1", "--methods", ",".join(methods), "--json", "--plot", str(tmp_path / "s3.png")
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     by_method = {r["method"]: r for r in report["results"]}
     assert set(by_method) == set(methods) and {r["cache"] for r in report["results"]} == {"server"}
     assert all(r["gbps_median"] > 0 for r in report["results"] if "skipped" not in r)
     assert "skipped" not in by_method["weightstream"] and "skipped" not in by_method["limit-transport-8-ranges"]
-    assert report["total_bytes"] == sum(path.stat().st_size for path in checkpoint.iterdir() if path.suffix == ".safetensors")
+    assert report["total_bytes"] == sum(
+        path.stat().st_size for path in checkpoint.iterdir() if path.suffix == ".safetensors"
+    )
     assert (tmp_path / "s3.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -133,7 +169,9 @@ def test_bench_unknown_method(checkpoint: Path):
 def test_cuda_refused_without_cuda_before_any_work(checkpoint: Path, tmp_path: Path):
     bench = cli("bench", "--device", "cuda", "--cache-dir", str(tmp_path / "cache"))
     assert bench.returncode == 1
-    assert bench.stderr.startswith("weightstream: error: bench --device cuda: torch sees no CUDA device on this machine")
+    assert bench.stderr.startswith(
+        "weightstream: error: bench --device cuda: torch sees no CUDA device on this machine"
+    )
     assert not (tmp_path / "cache").exists(), "the demo checkpoint was built before the device was checked"
     load = cli("load", str(checkpoint), "--device", "cuda")
     assert load.returncode == 1 and "sees no CUDA device; nothing falls back to the CPU" in load.stderr
@@ -145,8 +183,19 @@ def test_load_and_bench_on_the_gpu(checkpoint: Path, tiny_state, tmp_path: Path)
     load = cli("load", str(checkpoint), "--json", "--device", "cuda")
     assert load.returncode == 0, load.stderr
     assert json.loads(load.stdout)["tensors"] == len(tiny_state)
-    bench = cli("bench", str(checkpoint), "--device", "cuda", "--rounds", "1", "--cache", "warm",
-                "--methods", "weightstream,safetensors.load_file,limit-h2d-pinned", "--json")
+    bench = cli(
+        "bench",
+        str(checkpoint),
+        "--device",
+        "cuda",
+        "--rounds",
+        "1",
+        "--cache",
+        "warm",
+        "--methods",
+        "weightstream,safetensors.load_file,limit-h2d-pinned",
+        "--json",
+    )
     assert bench.returncode == 0, bench.stderr
     report = json.loads(bench.stdout)
     assert report["device"] == "cuda"
@@ -154,22 +203,33 @@ def test_load_and_bench_on_the_gpu(checkpoint: Path, tiny_state, tmp_path: Path)
     assert ours["gbps_median"] > 0 and ours["peak_device_bytes_median"] > 0 and ours["peak_pinned_bytes_median"] > 0
 
 
-@pytest.mark.parametrize("text, expected", [("1GiB", 2**30), ("512MiB", 2**29), ("4G", 4 * 10**9), ("100", 100), ("1.5k", 1500)])
+@pytest.mark.parametrize(
+    "text, expected", [("1GiB", 2**30), ("512MiB", 2**29), ("4G", 4 * 10**9), ("100", 100), ("1.5k", 1500)]
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
 def test_inspect_of_a_lone_surrogate_name_is_a_typed_error(tmp_path: Path):
-    path = raw_file(tmp_path / "bad.safetensors", b'{"\\ud800": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}', b"ab")
+    path = raw_file(
+        tmp_path / "bad.safetensors", b'{"\\ud800": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}', b"ab"
+    )
     result = cli("inspect", str(path))
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
-    assert re.search(r"weightstream: error: .*bad.safetensors: header holds a string with a lone surrogate \(U\+D800\)", result.stderr)
+    assert re.search(
+        r"weightstream: error: .*bad.safetensors: header holds a string with a lone surrogate \(U\+D800\)",
+        result.stderr,
+    )
 
 
 def test_inspect_escapes_terminal_control_characters(tmp_path: Path):
     hostile = "model.\x1b[2J\x1b]0;owned\x07layers.0.w\u202e"
-    path = raw_file(tmp_path / "ansi.safetensors", {"__metadata__": {"note": "\x1b[31mred"}, hostile: {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}, b"ab")
+    path = raw_file(
+        tmp_path / "ansi.safetensors",
+        {"__metadata__": {"note": "\x1b[31mred"}, hostile: {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}},
+        b"ab",
+    )
     text = cli("inspect", str(path))
     assert text.returncode == 0, text.stderr
     assert "\x1b" not in text.stdout and "\x07" not in text.stdout and "\u202e" not in text.stdout

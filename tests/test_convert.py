@@ -23,12 +23,17 @@ ROOT = Path(__file__).parent.parent
 
 def reassembled(directory: Path, tp: int, rules=LLAMA_RULES) -> dict[str, torch.Tensor]:
     """Every tensor put back together from the ranks' files (checked against their manifests)."""
-    ranks = [weightstream.load_weights(directory, format="sharded-state", rank=rank, world_size=tp, verify=True) for rank in range(tp)]
+    ranks = [
+        weightstream.load_weights(directory, format="sharded-state", rank=rank, world_size=tp, verify=True)
+        for rank in range(tp)
+    ]
     whole = {}
     for name, first in ranks[0].items():
         dimension = split_dimension(name, first.shape, 1, rules)
         if dimension is None:
-            assert all(torch.equal(rank[name].view(torch.uint8), first.view(torch.uint8)) for rank in ranks), f"{name} differs between ranks"
+            assert all(torch.equal(rank[name].view(torch.uint8), first.view(torch.uint8)) for rank in ranks), (
+                f"{name} differs between ranks"
+            )
             whole[name] = first
         else:
             whole[name] = torch.cat([rank[name] for rank in ranks], dimension)
@@ -37,8 +42,11 @@ def reassembled(directory: Path, tp: int, rules=LLAMA_RULES) -> dict[str, torch.
 
 def same_bits(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
     return loaded.keys() == expected.keys() and all(
-        loaded[n].shape == expected[n].shape and loaded[n].dtype == expected[n].dtype
-        and torch.equal(loaded[n].contiguous().view(-1).view(torch.uint8), expected[n].contiguous().view(-1).view(torch.uint8))
+        loaded[n].shape == expected[n].shape
+        and loaded[n].dtype == expected[n].dtype
+        and torch.equal(
+            loaded[n].contiguous().view(-1).view(torch.uint8), expected[n].contiguous().view(-1).view(torch.uint8)
+        )
         for n in expected
     )
 
@@ -67,7 +75,10 @@ def test_tied_embeddings_and_a_rule_for_moe_experts(tmp_path: Path, no_leaks):
     state["model.layers.0.block_sparse_moe.experts.0.w1.weight"] = torch.randn(64, 256)
     state["model.layers.0.block_sparse_moe.gate.weight"] = torch.randn(4, 256)
     source = save_hf_sharded(state, tmp_path / "hf", shards=1)
-    with pytest.raises(weightstream.InvalidOptionError, match=r"tensor 'model.layers.0.block_sparse_moe.experts.0.w1.weight' matches no split rule"):
+    with pytest.raises(
+        weightstream.InvalidOptionError,
+        match=r"tensor 'model.layers.0.block_sparse_moe.experts.0.w1.weight' matches no split rule",
+    ):
         convert_to_sharded_state(source, tmp_path / "tp", tp=2)
     assert not (tmp_path / "tp").exists(), "a refused conversion writes nothing"
     rules = [parse_rule(r"experts\.\d+\.w1\.weight$=0"), parse_rule(r"moe\.gate\.weight$=replicate"), *LLAMA_RULES]
@@ -78,15 +89,22 @@ def test_tied_embeddings_and_a_rule_for_moe_experts(tmp_path: Path, no_leaks):
 def test_a_dimension_that_does_not_divide_is_refused(tmp_path: Path, no_leaks):
     state = llama_state_dict(LlamaShape(hidden=256, intermediate=768, layers=1, vocab=1001))
     source = save_hf_sharded(state, tmp_path / "hf", shards=1)
-    with pytest.raises(weightstream.InvalidOptionError, match=r"tensor '(lm_head|model.embed_tokens).weight' of shape \(1001, 256\): dimension 0 \(1001\) does not divide by tp=2"):
+    with pytest.raises(
+        weightstream.InvalidOptionError,
+        match=r"tensor '(lm_head|model.embed_tokens).weight' of shape \(1001, 256\): dimension 0 \(1001\) does not "
+        r"divide by tp=2",
+    ):
         convert_to_sharded_state(source, tmp_path / "tp", tp=2)
     assert not (tmp_path / "tp").exists()
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("q_proj", r"a rule is PATTERN=DIM or PATTERN=replicate"), ("q_proj=two", r"'two' is neither a dimension nor 'replicate'"),
-     ("q_proj(=0", r"is not a regular expression")],
+    [
+        ("q_proj", r"a rule is PATTERN=DIM or PATTERN=replicate"),
+        ("q_proj=two", r"'two' is neither a dimension nor 'replicate'"),
+        ("q_proj(=0", r"is not a regular expression"),
+    ],
 )
 def test_bad_rules(text, message):
     with pytest.raises(weightstream.InvalidOptionError, match=message):
@@ -96,15 +114,37 @@ def test_bad_rules(text, message):
 def test_the_cli_converts_and_reports(tmp_path: Path):
     state = llama_state_dict(SHAPE)
     source = save_hf_sharded(state, tmp_path / "hf", shards=2)
-    command = [sys.executable, "-m", "weightstream.cli", "convert", str(source), str(tmp_path / "tp"), "--to", "sharded-state", "--tp", "2",
-               "--max-file-mib", "1", "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    command = [
+        sys.executable,
+        "-m",
+        "weightstream.cli",
+        "convert",
+        str(source),
+        str(tmp_path / "tp"),
+        "--to",
+        "sharded-state",
+        "--tp",
+        "2",
+        "--max-file-mib",
+        "1",
+        "--json",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["tp"] == 2 and "model.norm.weight" in report["replicated"]
-    assert sorted(Path(path).name for path in report["files"]) == sorted(p.name for p in (tmp_path / "tp").glob("model-rank-*-part-*.safetensors"))
+    assert sorted(Path(path).name for path in report["files"]) == sorted(
+        p.name for p in (tmp_path / "tp").glob("model-rank-*-part-*.safetensors")
+    )
     assert same_bits(reassembled(tmp_path / "tp", 2), state)
-    refused = subprocess.run([*command[:6], "--to", "layered", "--tp", "2"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    refused = subprocess.run(
+        [*command[:6], "--to", "layered", "--tp", "2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
     assert refused.returncode == 1 and "the one conversion is to sharded-state" in refused.stderr
 
 
@@ -130,7 +170,10 @@ def test_engine_naming_fuses_projections_and_pads_the_vocabulary(tmp_path: Path,
             assert torch.equal(loaded[f"{prefix}self_attn.qkv_proj.weight"], torch.cat(parts))
             parts = [state[f"{prefix}mlp.{p}_proj.weight"].chunk(tp)[rank] for p in ("gate", "up")]
             assert torch.equal(loaded[f"{prefix}mlp.gate_up_proj.weight"], torch.cat(parts))
-            assert torch.equal(loaded[f"{prefix}self_attn.o_proj.weight"], state[f"{prefix}self_attn.o_proj.weight"].chunk(tp, dim=1)[rank])
+            assert torch.equal(
+                loaded[f"{prefix}self_attn.o_proj.weight"],
+                state[f"{prefix}self_attn.o_proj.weight"].chunk(tp, dim=1)[rank],
+            )
         for name in ("model.embed_tokens.weight", "lm_head.weight"):
             rows = padded // tp
             full = torch.cat([state[name], torch.zeros(padded - 500, shape.hidden, dtype=state[name].dtype)])
@@ -141,10 +184,15 @@ def test_engine_naming_fuses_projections_and_pads_the_vocabulary(tmp_path: Path,
 def test_engine_naming_needs_heads_that_divide(tmp_path: Path, no_leaks):
     state = llama_state_dict(LlamaShape(hidden=128, intermediate=256, layers=1, vocab=512))
     source = save_hf_sharded(state, tmp_path / "hf", shards=1)
-    with pytest.raises(weightstream.InvalidOptionError, match=r"--engine needs the model's config.json beside the checkpoint"):
+    with pytest.raises(
+        weightstream.InvalidOptionError, match=r"--engine needs the model's config.json beside the checkpoint"
+    ):
         convert_to_sharded_state(source, tmp_path / "tp", tp=2, engine="sglang")
     write_config(source, heads=4, kv_heads=1)
-    with pytest.raises(weightstream.InvalidOptionError, match=r"config.json: 1 key-value heads do not divide by tp=2 \(the engines would replicate them"):
+    with pytest.raises(
+        weightstream.InvalidOptionError,
+        match=r"config.json: 1 key-value heads do not divide by tp=2 \(the engines would replicate them",
+    ):
         convert_to_sharded_state(source, tmp_path / "tp", tp=2, engine="sglang")
     with pytest.raises(weightstream.InvalidOptionError, match=r"engine must be one of vllm, sglang"):
         convert_to_sharded_state(source, tmp_path / "tp", tp=1, engine="trt")
@@ -156,6 +204,10 @@ def test_a_fused_parameter_missing_a_part_is_refused_before_writing(tmp_path: Pa
     del state["model.layers.0.self_attn.v_proj.weight"]
     source = save_hf_sharded(state, tmp_path / "hf", shards=1)
     write_config(source, heads=4, kv_heads=2)
-    with pytest.raises(weightstream.InvalidOptionError, match=r"model.layers.0.self_attn.qkv_proj.weight fuses q_proj, k_proj, v_proj, but the checkpoint has no v_proj"):
+    with pytest.raises(
+        weightstream.InvalidOptionError,
+        match=r"model.layers.0.self_attn.qkv_proj.weight fuses q_proj, k_proj, v_proj, "
+        r"but the checkpoint has no v_proj",
+    ):
         convert_to_sharded_state(source, tmp_path / "tp", tp=2, engine="vllm")
     assert not (tmp_path / "tp").exists()

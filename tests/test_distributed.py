@@ -23,8 +23,16 @@ SHAPE = LlamaShape(hidden=256, intermediate=704, layers=3, vocab=1001)  # an odd
 
 def run_ranks(tmp_path: Path, world: int, uri: str, mode: str = "load", victim: int = -1) -> list[dict]:
     init = f"file://{tmp_path / 'rendezvous'}"
-    processes = [subprocess.Popen([sys.executable, "-m", "tests.distributed_rank", init, str(rank), str(world), uri, mode, str(victim)],
-                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.distributed_rank", init, str(rank), str(world), uri, mode, str(victim)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
     results = []
     for rank, process in enumerate(processes):
         output, errors = process.communicate(timeout=120)
@@ -38,7 +46,9 @@ def run_ranks(tmp_path: Path, world: int, uri: str, mode: str = "load", victim: 
 
 def checkpoint(tmp_path: Path, state: dict[str, torch.Tensor] | None = None) -> tuple[str, int]:
     state = state if state is not None else llama_state_dict(SHAPE)
-    return str(save_hf_sharded(state, tmp_path / "ckpt", shards=2)), sum(t.numel() * t.element_size() for t in state.values())
+    return str(save_hf_sharded(state, tmp_path / "ckpt", shards=2)), sum(
+        t.numel() * t.element_size() for t in state.values()
+    )
 
 
 @pytest.mark.slow
@@ -61,7 +71,9 @@ def test_through_a_staging_ring_as_to_a_gpu(tmp_path: Path):
     assert sum(r["stats"]["read_bytes"] for r in results) == total
     for result in results:
         assert result["violations"] == [], "a slot was written while its copy was pending"
-        assert result["copies"] * (64 << 10) >= result["stats"]["read_bytes"] > 0, "every byte read went through the ring's 64 KiB slots"
+        assert result["copies"] * (64 << 10) >= result["stats"]["read_bytes"] > 0, (
+            "every byte read went through the ring's 64 KiB slots"
+        )
 
 
 @pytest.mark.cuda
@@ -128,10 +140,16 @@ def test_one_rank_failing_makes_the_others_raise_promptly(tmp_path: Path, mode, 
     others = [r for r in results if r["rank"] != 1]
     assert len(others) == 2
     for result in others:
-        assert result.get("error") and result["error"][0] == "PeerError" and re.search(message, result["error"][1]), result
+        assert result.get("error") and result["error"][0] == "PeerError" and re.search(message, result["error"][1]), (
+            result
+        )
         assert result["seconds"] < 30, "a peer's failure must not wait for the group's 60 s timeout"
-    own = {"fail": ("OSError", r"injected read failure$"), "plan-fail": ("NotFound", r"-not-on-this-rank: no such file or directory"),
-           "sizing-fail": ("HostMemoryError", r"^injected sizing-fail$"), "memory-fail": ("HostMemoryError", r"^injected memory-fail$")}
+    own = {
+        "fail": ("OSError", r"injected read failure$"),
+        "plan-fail": ("NotFound", r"-not-on-this-rank: no such file or directory"),
+        "sizing-fail": ("HostMemoryError", r"^injected sizing-fail$"),
+        "memory-fail": ("HostMemoryError", r"^injected memory-fail$"),
+    }
     if mode in own:
         (victim,) = [r for r in results if r["rank"] == 1]
         assert victim["error"][0] == own[mode][0] and re.search(own[mode][1], victim["error"][1]), victim
@@ -141,14 +159,19 @@ def test_the_loader_needs_torch_distributed(tmp_path: Path, no_leaks):
     uri, _ = checkpoint(tmp_path)
     with pytest.raises(weightstream.InvalidOptionError, match=r"needs torch.distributed initialised"):
         weightstream.iter_weights(uri, format="distributed")
-    with pytest.raises(weightstream.InvalidOptionError, match=r"device 'meta': weightstream lands tensors on cpu or cuda devices only; nothing falls back to the CPU"):
+    with pytest.raises(
+        weightstream.InvalidOptionError,
+        match=r"device 'meta': weightstream lands tensors on cpu or cuda devices only; nothing falls back to the CPU",
+    ):
         weightstream.iter_weights(uri, format="distributed", device="meta")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_a_cuda_destination_without_cuda_is_refused(tmp_path: Path, no_leaks):
     uri, _ = checkpoint(tmp_path)
-    with pytest.raises(weightstream.DeviceUnavailableError, match=r"device 'cuda' requested, but torch .* sees no CUDA device"):
+    with pytest.raises(
+        weightstream.DeviceUnavailableError, match=r"device 'cuda' requested, but torch .* sees no CUDA device"
+    ):
         weightstream.iter_weights(uri, format="distributed", device="cuda")
 
 
@@ -159,7 +182,11 @@ def test_the_plan_digest_tells_object_versions_apart_but_not_local_copies():
     def plan(uri: str, version: str) -> LoadPlan:
         return LoadPlan(uri, (FileSpec(f"{uri}/model-00001-of-00001.safetensors", 4096, 128, {}, version),), ())
 
-    assert plan_digest(plan("s3://bucket/llama", '"etag-a"'), []) != plan_digest(plan("s3://bucket/llama", '"etag-b"'), [])
+    assert plan_digest(plan("s3://bucket/llama", '"etag-a"'), []) != plan_digest(
+        plan("s3://bucket/llama", '"etag-b"'), []
+    )
     assert plan_digest(plan("gs://bucket/llama", "17"), []) != plan_digest(plan("gs://bucket/llama", "18"), [])
     # Two nodes' copies of one local checkpoint: other inodes and mtimes, the same plan.
-    assert plan_digest(plan("/models/llama", "2049:131:1700000000000000000"), []) == plan_digest(plan("/models/llama", "2050:977:1700000005000000000"), [])
+    assert plan_digest(plan("/models/llama", "2049:131:1700000000000000000"), []) == plan_digest(
+        plan("/models/llama", "2050:977:1700000005000000000"), []
+    )

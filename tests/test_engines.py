@@ -17,9 +17,19 @@ from weightstream.engines.writes import WriteRecorder
 
 
 def test_importing_weightstream_and_its_adapters_imports_no_engine():
-    script = ("import sys, weightstream, weightstream.engines.vllm, weightstream.engines.sglang, weightstream.engines.common; "
-              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'sglang')))")
-    result = subprocess.run([sys.executable, "-c", script], check=False, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120)
+    script = (
+        "import sys, weightstream, weightstream.engines.vllm, weightstream.engines.sglang, "
+        "weightstream.engines.common; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'sglang')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
@@ -77,8 +87,8 @@ def test_unfilled_is_exactly_whether_every_element_was_written(spans):
     written = torch.zeros(12, dtype=torch.bool)
     with WriteRecorder() as writes:
         for start, length in spans:
-            weight[start:start + length].fill_(1.0)
-            written[start:start + length] = True
+            weight[start : start + length].fill_(1.0)
+            written[start : start + length] = True
     assert writes.unfilled({"weight": weight}) == ([] if bool(written.all()) else ["weight"])
 
 
@@ -100,7 +110,12 @@ def test_parameters_on_meta_keeps_buffers_attributes_and_identity():
     assert torch.equal(model.cache, torch.arange(8.0)), "buffers keep what __init__ computed"
     qkv = model.qkv
     assert materialise(model, "", torch.device("cpu")) == [model.qkv, model.norm]
-    assert model.qkv is qkv and model.qkv.weight_loader == model.load_part and not model.qkv.requires_grad and model.norm.requires_grad
+    assert (
+        model.qkv is qkv
+        and model.qkv.weight_loader == model.load_part
+        and not model.qkv.requires_grad
+        and model.norm.requires_grad
+    )
     assert isinstance(model.norm, torch.nn.Parameter) and model.norm.device.type == "cpu"
 
 

@@ -124,7 +124,10 @@ def test_get_tensor_reads_only_that_tensor(tmp_path: Path, counting, no_leaks):
 
 def test_an_unknown_tensor_names_the_closest(tmp_path: Path, tiny_state, no_leaks):
     with weightstream.open(save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=1)) as checkpoint:
-        with pytest.raises(weightstream.TensorNotFound, match=r"no tensor 'model.norm.weigth' among its \d+ selected tensors; did you mean 'model.norm.weight'\?"):
+        with pytest.raises(
+            weightstream.TensorNotFound,
+            match=r"no tensor 'model.norm.weigth' among its \d+ selected tensors; did you mean 'model.norm.weight'\?",
+        ):
             checkpoint.get_tensor("model.norm.weigth")
         with pytest.raises(weightstream.TensorNotFound, match=r"no tensor 'nothing-like-it'.*tensors$"):
             checkpoint.get_slice("nothing-like-it")
@@ -134,7 +137,10 @@ def test_metadata_that_disagrees_between_files_is_an_error(tmp_path: Path, no_le
     write_safetensors(tmp_path / "a.safetensors", {"a": torch.ones(2)}, metadata={"format": "pt", "step": "1"})
     write_safetensors(tmp_path / "b.safetensors", {"b": torch.ones(2)}, metadata={"format": "pt", "step": "2"})
     with weightstream.open(tmp_path) as checkpoint:
-        with pytest.raises(weightstream.HeaderError, match=r"metadata 'step' is '1' in .*a.safetensors and '2' in .*b.safetensors; ask for one file's"):
+        with pytest.raises(
+            weightstream.HeaderError,
+            match=r"metadata 'step' is '1' in .*a.safetensors and '2' in .*b.safetensors; ask for one file's",
+        ):
             checkpoint.metadata()
         assert checkpoint.metadata(str(tmp_path / "b.safetensors")) == {"format": "pt", "step": "2"}
         with pytest.raises(weightstream.TensorNotFound, match=r"'c.safetensors' is not one of its files"):
@@ -148,9 +154,15 @@ def test_close_stops_every_iterator(tmp_path: Path, tiny_state, no_leaks):
     next(weights), next(layers)
     checkpoint.close()
     for iterator in (weights, layers):
-        with pytest.raises(weightstream.CheckpointClosedError, match=r"the checkpoint was closed while this iterator was open"):
+        with pytest.raises(
+            weightstream.CheckpointClosedError, match=r"the checkpoint was closed while this iterator was open"
+        ):
             next(iterator)
-    for use in (lambda: checkpoint.get_tensor("model.norm.weight"), checkpoint.iter_weights, lambda: checkpoint.get_slice("model.norm.weight")):
+    for use in (
+        lambda: checkpoint.get_tensor("model.norm.weight"),
+        checkpoint.iter_weights,
+        lambda: checkpoint.get_slice("model.norm.weight"),
+    ):
         with pytest.raises(weightstream.CheckpointClosedError, match=r"the checkpoint is closed"):
             use()
     checkpoint.close()  # idempotent
@@ -243,21 +255,29 @@ def test_strided_selections_read_a_fraction_of_the_tensor(tmp_path: Path, counti
 def test_slice_shape_and_dtype_as_safetensors(sliced_file: Path, no_leaks):
     with weightstream.open(sliced_file) as checkpoint:
         view = checkpoint.get_slice("cube.bf16")
-        assert (view.shape, view.dtype, view.get_shape(), view.get_dtype()) == ((6, 10, 12), torch.bfloat16, [6, 10, 12], "BF16")
+        assert (view.shape, view.dtype, view.get_shape(), view.get_dtype()) == (
+            (6, 10, 12),
+            torch.bfloat16,
+            [6, 10, 12],
+            "BF16",
+        )
         assert repr(view) == "<weightstream.TensorSlice 'cube.bf16' BF16 [6, 10, 12]>"
 
 
-@pytest.mark.parametrize("index, error, message", [
-    ((0, 0, 0), IndexError, r"too many indices for a tensor of 2 dimensions: 3"),
-    (64, IndexError, r"index 64 is out of bounds for dimension 0 with size 64"),
-    ((slice(None), -49), IndexError, r"index -49 is out of bounds for dimension 1 with size 48"),
-    (slice(None, None, -1), ValueError, r"dimension 0: slice step must be a positive integer"),
-    (slice(None, None, 0), ValueError, r"dimension 0: slice step must be a positive integer"),
-    ((Ellipsis, Ellipsis), IndexError, r"a single ellipsis"),
-    (None, TypeError, r"a slice index is an int, a slice or '...', got NoneType"),
-    (True, TypeError, r"got bool"),
-    (slice(1.5, None), TypeError, r"dimension 0: slice bounds are integers, got 1.5"),
-])
+@pytest.mark.parametrize(
+    "index, error, message",
+    [
+        ((0, 0, 0), IndexError, r"too many indices for a tensor of 2 dimensions: 3"),
+        (64, IndexError, r"index 64 is out of bounds for dimension 0 with size 64"),
+        ((slice(None), -49), IndexError, r"index -49 is out of bounds for dimension 1 with size 48"),
+        (slice(None, None, -1), ValueError, r"dimension 0: slice step must be a positive integer"),
+        (slice(None, None, 0), ValueError, r"dimension 0: slice step must be a positive integer"),
+        ((Ellipsis, Ellipsis), IndexError, r"a single ellipsis"),
+        (None, TypeError, r"a slice index is an int, a slice or '...', got NoneType"),
+        (True, TypeError, r"got bool"),
+        (slice(1.5, None), TypeError, r"dimension 0: slice bounds are integers, got 1.5"),
+    ],
+)
 def test_bad_slice_indices_are_refused(sliced_file: Path, index, error, message, no_leaks):
     with weightstream.open(sliced_file) as checkpoint, pytest.raises(error, match=message):
         checkpoint.get_slice("rows.f32")[index]
@@ -267,20 +287,27 @@ def test_verify_refuses_slices(tmp_path: Path, no_leaks):
     weightstream.save_sharded_state({"w": torch.ones(8, 4)}, tmp_path / "state", rank=0, world_size=1)
     with weightstream.open(tmp_path / "state", format="sharded-state", verify=True) as checkpoint:
         assert torch.equal(checkpoint.get_tensor("w"), torch.ones(8, 4))
-        with pytest.raises(weightstream.InvalidOptionError, match=r"verify=True checks whole tensors against their checksums; 'w'\[...\] reads part of one"):
+        with pytest.raises(
+            weightstream.InvalidOptionError,
+            match=r"verify=True checks whole tensors against their checksums; 'w'\[...\] reads part of one",
+        ):
             checkpoint.get_slice("w")
 
 
 def _part(size: int):
     bound = st.integers(-size - 2, size + 2) | st.none()
-    return st.integers(-size, size - 1) | st.builds(slice, bound, bound, st.integers(1, size + 1) | st.none()) if size else st.builds(slice, st.none(), st.none())
+    return (
+        st.integers(-size, size - 1) | st.builds(slice, bound, bound, st.integers(1, size + 1) | st.none())
+        if size
+        else st.builds(slice, st.none(), st.none())
+    )
 
 
 @st.composite
 def tensor_and_index(draw):
     name = draw(st.sampled_from(sorted(SLICED)))
     shape = SLICED[name].shape
-    parts = [draw(_part(size)) for size in shape[:draw(st.integers(0, len(shape)))]]
+    parts = [draw(_part(size)) for size in shape[: draw(st.integers(0, len(shape)))]]
     if draw(st.booleans()):
         parts.insert(draw(st.integers(0, len(parts))), Ellipsis)
     return name, tuple(parts) if draw(st.booleans()) or len(parts) != 1 else parts[0]

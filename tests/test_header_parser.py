@@ -32,7 +32,10 @@ def test_file_under_eight_bytes():
 
 
 def test_header_length_past_end_of_file():
-    with pytest.raises(HeaderError, match=r"header length 100 runs past the end of the file \(header would end at byte 108, file has 50 bytes\)"):
+    with pytest.raises(
+        HeaderError,
+        match=r"header length 100 runs past the end of the file \(header would end at byte 108, file has 50 bytes\)",
+    ):
         header_length(struct.pack("<Q", 100), 50, FILE)
 
 
@@ -48,7 +51,9 @@ def test_non_utf8():
 
 
 def test_not_json():
-    with pytest.raises(HeaderError, match=r"header is not valid JSON: Expecting property name enclosed in double quotes at byte 1"):
+    with pytest.raises(
+        HeaderError, match=r"header is not valid JSON: Expecting property name enclosed in double quotes at byte 1"
+    ):
         parse(None, raw=b"{nope}")
 
 
@@ -59,7 +64,7 @@ def test_json_array():
 
 def test_does_not_start_with_brace():
     with pytest.raises(HeaderError, match=r"header starts with ' ', expected a JSON object"):
-        parse(None, raw=b' {}')
+        parse(None, raw=b" {}")
 
 
 def test_nul_padding():
@@ -100,29 +105,42 @@ def test_unknown_dtype():
 
 @pytest.mark.parametrize("shape", [[-1], [2.0], ["2"], [True], 4])
 def test_bad_shape(shape):
-    with pytest.raises(HeaderError, match=r"tensor 'w' in f.safetensors: shape .* is not a list of non-negative integers"):
+    with pytest.raises(
+        HeaderError, match=r"tensor 'w' in f.safetensors: shape .* is not a list of non-negative integers"
+    ):
         parse({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 8]}}, 8)
 
 
 def test_shape_product_overflows():
-    with pytest.raises(HeaderError, match=r"shape \[4294967296, 4294967296\] has more than 2\*\*63 - 1 elements, more than fit in 64 bits"):
+    with pytest.raises(
+        HeaderError,
+        match=r"shape \[4294967296, 4294967296\] has more than 2\*\*63 - 1 elements, more than fit in 64 bits",
+    ):
         parse({"w": entry(shape=(2**32, 2**32), offsets=(0, 8))}, 8)
 
 
 def test_byte_count_mismatch():
-    with pytest.raises(HeaderError, match=r"tensor 'w' in f.safetensors: data_offsets \[0, 6\] hold 6 bytes, expected 8 for F32 \[2\]"):
+    with pytest.raises(
+        HeaderError, match=r"tensor 'w' in f.safetensors: data_offsets \[0, 6\] hold 6 bytes, expected 8 for F32 \[2\]"
+    ):
         parse({"w": entry(offsets=(0, 6))}, 6)
 
 
 def test_overlapping_offsets():
     header = {"a": entry(offsets=(0, 8)), "b": entry(offsets=(4, 12))}
-    with pytest.raises(HeaderError, match=r"tensor 'b' in f.safetensors: data_offsets \[4, 12\] \(file bytes \d+\.\.\d+\) overlap the previous tensor 'a', which ends at 8"):
+    with pytest.raises(
+        HeaderError,
+        match=r"tensor 'b' in f.safetensors: data_offsets \[4, 12\] \(file bytes \d+\.\.\d+\) overlap the previous "
+        r"tensor 'a', which ends at 8",
+    ):
         parse(header, 12)
 
 
 def test_gap():
     header = {"a": entry(offsets=(0, 8)), "b": entry(offsets=(12, 20))}
-    with pytest.raises(HeaderError, match=r"tensor 'b' .* leave a gap of 4 bytes after tensor 'a' \(expected begin 8\)"):
+    with pytest.raises(
+        HeaderError, match=r"tensor 'b' .* leave a gap of 4 bytes after tensor 'a' \(expected begin 8\)"
+    ):
         parse(header, 20)
 
 
@@ -148,7 +166,11 @@ def test_trailing_bytes():
 
 
 def test_truncated_body():
-    with pytest.raises(TruncatedFileError, match=r"tensor 'a' in f.safetensors: data_offsets \[0, 8\] .* end past the end of the file \(data section has 5 bytes"):
+    with pytest.raises(
+        TruncatedFileError,
+        match=r"tensor 'a' in f.safetensors: data_offsets \[0, 8\] .* end past the end of the file \(data section has "
+        r"5 bytes",
+    ):
         parse({"a": entry()}, 5)
 
 
@@ -189,7 +211,9 @@ TORCH_DTYPES = [dtype for dtype in DTYPES.values() if dtype is not torch.float4_
 
 @st.composite
 def tensor_dicts(draw):
-    names = draw(st.lists(st.text(min_size=1, max_size=12).filter(lambda n: n != "__metadata__"), unique=True, max_size=6))
+    names = draw(
+        st.lists(st.text(min_size=1, max_size=12).filter(lambda n: n != "__metadata__"), unique=True, max_size=6)
+    )
     result = {}
     for name in names:
         dtype = draw(st.sampled_from(TORCH_DTYPES))
@@ -206,7 +230,9 @@ def test_parses_whatever_safetensors_writes(case):
     blob = save(tensors, metadata=metadata)
     length = header_length(blob[:8], len(blob), FILE)
     header = parse_header(blob[8 : 8 + length], len(blob), FILE)
-    assert {e.name: (e.dtype, e.shape) for e in header.entries} == {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+    assert {e.name: (e.dtype, e.shape) for e in header.entries} == {
+        n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()
+    }
     assert dict(header.metadata) == (metadata or {})
 
 
@@ -223,10 +249,26 @@ def test_arbitrary_bytes_raise_only_typed_errors(raw, data_bytes):
 @pytest.mark.parametrize("where", ["name", "metadata key", "metadata value"])
 def test_lone_surrogates_are_not_unicode_text(where):
     """JSON lets ``\\ud800`` stand alone; no UTF-8 can hold it, and safetensors' own parser refuses it."""
-    names = {"name": ("\\ud800x", "k", "v"), "metadata key": ("w", "\\udfff", "v"), "metadata value": ("w", "k", "a\\ud800")}[where]
+    names = {
+        "name": ("\\ud800x", "k", "v"),
+        "metadata key": ("w", "\\udfff", "v"),
+        "metadata value": ("w", "k", "a\\ud800"),
+    }[where]
     name, key, value = names
-    raw = ('{"__metadata__": {"' + key + '": "' + value + '"}, "' + name + '": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}').encode()
-    with pytest.raises(HeaderError, match=r"f.safetensors: header holds a string with a lone surrogate \(U\+D[8-9A-F][0-9A-F]{2}\) at character \d+: not valid Unicode text"):
+    raw = (
+        '{"__metadata__": {"'
+        + key
+        + '": "'
+        + value
+        + '"}, "'
+        + name
+        + '": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}'
+    ).encode()
+    with pytest.raises(
+        HeaderError,
+        match=r"f.safetensors: header holds a string with a lone surrogate \(U\+D[8-9A-F][0-9A-F]{2}\) at character "
+        r"\d+: not valid Unicode text",
+    ):
         parse(None, 2, raw=raw)
 
 
@@ -252,7 +294,11 @@ def test_a_lone_surrogate_anywhere_in_a_name_is_refused(before, surrogate, after
 
 def test_a_shape_of_many_huge_dimensions_is_refused_with_a_short_message():
     shape = [2**62] * 40
-    with pytest.raises(HeaderError, match=r"shape \[(4611686018427387904, ){7}4611686018427387904, \.\.\. \(40 dimensions\)\] has more than 2\*\*63 - 1 elements") as caught:
+    with pytest.raises(
+        HeaderError,
+        match=r"shape \[(4611686018427387904, ){7}4611686018427387904, \.\.\. \(40 dimensions\)\] has more than "
+        r"2\*\*63 - 1 elements",
+    ) as caught:
         parse({"w": entry(shape=shape, offsets=(0, 8))}, 8)
     assert len(str(caught.value)) < 400
 
@@ -261,7 +307,10 @@ def test_a_long_shape_list_is_refused_before_it_is_multiplied():
     import time
 
     start = time.monotonic()
-    with pytest.raises(HeaderError, match=r"tensor 'w' in f.safetensors: shape has 400001 dimensions, more than the 64 weightstream accepts"):
+    with pytest.raises(
+        HeaderError,
+        match=r"tensor 'w' in f.safetensors: shape has 400001 dimensions, more than the 64 weightstream accepts",
+    ):
         parse({"w": entry(shape=[2] * 400_000 + [0], offsets=(0, 0))}, 0)
     assert time.monotonic() - start < 2
 
@@ -269,7 +318,12 @@ def test_a_long_shape_list_is_refused_before_it_is_multiplied():
 def _zero_size_checkpoint(directory, files: int, tensors: int):
     directory.mkdir()
     for index in range(files):
-        header = json.dumps({f"model.layers.{index}.{i}.empty": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(tensors)}).encode()
+        header = json.dumps(
+            {
+                f"model.layers.{index}.{i}.empty": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}
+                for i in range(tensors)
+            }
+        ).encode()
         (directory / f"part-{index}.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     return directory
 
@@ -305,8 +359,16 @@ def test_headers_parsed_at_once_stay_within_the_parse_budget(tmp_path, monkeypat
     monkeypatch.setattr(format_module, "PARSE_BUDGET", format_module.ParseBudget(1 << 40))
     unbounded, _ = _plan_peak(directory)
     parsing = single - held_by_one  # what one header costs above what its plan keeps
-    assert bounded - held <= 4 * parsing, (single, held_by_one, bounded, held, unbounded)  # measured: 3.1 parses' worth (the plans built after each parse overlap)
-    assert unbounded - held > bounded - held, f"without the budget the headers overlap more: {unbounded} vs {bounded} (else the test proves nothing)"
+    assert bounded - held <= 4 * parsing, (
+        single,
+        held_by_one,
+        bounded,
+        held,
+        unbounded,
+    )  # measured: 3.1 parses' worth (the plans built after each parse overlap)
+    assert unbounded - held > bounded - held, (
+        f"without the budget the headers overlap more: {unbounded} vs {bounded} (else the test proves nothing)"
+    )
 
 
 def test_a_header_larger_than_the_budget_is_parsed_alone():

@@ -34,18 +34,25 @@ def checkpoint(directory: Path, seed: int) -> tuple[Path, dict[str, torch.Tensor
     return directory, state
 
 
-@pytest.mark.parametrize(("loader", "options"), LOADERS, ids=[f"{name}{'-zero-copy' if opts else ''}" for name, opts in LOADERS])
+@pytest.mark.parametrize(
+    ("loader", "options"), LOADERS, ids=[f"{name}{'-zero-copy' if opts else ''}" for name, opts in LOADERS]
+)
 def test_a_file_replaced_between_plan_and_read_is_a_changed_source(tmp_path: Path, loader, options, no_leaks):
     directory, _ = checkpoint(tmp_path / "v1", seed=1)
     other, _ = checkpoint(tmp_path / "v2", seed=2)  # the same shapes: the same sizes, other bytes
     stream = weightstream.iter_weights(str(directory), format=loader, **options)  # headers read here
     shard = "model-00001-of-00002.safetensors"
     os.replace(other / shard, directory / shard)
-    with pytest.raises(weightstream.SourceChangedError, match=rf"{shard}: was replaced by another file \(inode \d+ -> \d+\) after its header was read"):
+    with pytest.raises(
+        weightstream.SourceChangedError,
+        match=rf"{shard}: was replaced by another file \(inode \d+ -> \d+\) after its header was read",
+    ):
         dict(stream)
 
 
-@pytest.mark.parametrize(("loader", "options"), LOADERS, ids=[f"{name}{'-zero-copy' if opts else ''}" for name, opts in LOADERS])
+@pytest.mark.parametrize(
+    ("loader", "options"), LOADERS, ids=[f"{name}{'-zero-copy' if opts else ''}" for name, opts in LOADERS]
+)
 def test_a_header_rewritten_in_place_is_a_changed_source(tmp_path: Path, loader, options, no_leaks):
     directory, _ = checkpoint(tmp_path / "v1", seed=1)
     shard = directory / "model-00002-of-00002.safetensors"
@@ -55,7 +62,10 @@ def test_a_header_rewritten_in_place_is_a_changed_source(tmp_path: Path, loader,
         header = file.read(64)
         file.seek(8)
         file.write(header.replace(b'"', b"'", 1))
-    with pytest.raises(weightstream.SourceChangedError, match=rf"{shard.name}: was modified \(mtime_ns {LONG_AGO}000000000 -> \d+\) after its header was read"):
+    with pytest.raises(
+        weightstream.SourceChangedError,
+        match=rf"{shard.name}: was modified \(mtime_ns {LONG_AGO}000000000 -> \d+\) after its header was read",
+    ):
         dict(stream)
 
 
@@ -86,7 +96,10 @@ def test_a_fifo_is_refused_at_once(tmp_path: Path, no_leaks):
     fifo = tmp_path / "x.safetensors"
     os.mkfifo(fifo)
     start = time.monotonic()
-    with pytest.raises(weightstream.UnsupportedInputError, match=r"x.safetensors: is a FIFO, not a regular file; weightstream reads regular files only"):
+    with pytest.raises(
+        weightstream.UnsupportedInputError,
+        match=r"x.safetensors: is a FIFO, not a regular file; weightstream reads regular files only",
+    ):
         weightstream.load_weights(str(fifo))
     with pytest.raises(weightstream.UnsupportedInputError, match=r"is a FIFO, not a regular file"):
         weightstream.load_weights(str(tmp_path))  # a directory whose one shard is the FIFO
@@ -94,7 +107,9 @@ def test_a_fifo_is_refused_at_once(tmp_path: Path, no_leaks):
 
 
 def test_a_device_is_refused(no_leaks):
-    with pytest.raises(weightstream.UnsupportedInputError, match=r"/dev/zero: is a character device, not a regular file"):
+    with pytest.raises(
+        weightstream.UnsupportedInputError, match=r"/dev/zero: is a character device, not a regular file"
+    ):
         weightstream.load_weights("/dev/zero")
 
 
@@ -121,7 +136,10 @@ def test_a_sparse_two_tib_file_is_probed_in_bounded_memory_and_time(tmp_path: Pa
 def test_thousands_of_shards_load_under_the_default_descriptor_limit(tmp_path: Path):
     shards = 1100
     for number in range(shards):
-        write_safetensors(tmp_path / f"part-{number:05d}.safetensors", {f"model.layers.{number}.w": torch.full((4,), number, dtype=torch.int32)})
+        write_safetensors(
+            tmp_path / f"part-{number:05d}.safetensors",
+            {f"model.layers.{number}.w": torch.full((4,), number, dtype=torch.int32)},
+        )
     script = f"""
 import resource, sys, torch, weightstream
 resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -131,9 +149,11 @@ for loader in ("safetensors", "streaming", "layered"):
     assert all(int(t[0]) == int(n.split(".")[2]) for n, t in loaded.items()), loader
 print("ok")
 """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert hard >= 1024
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
@@ -142,10 +162,15 @@ def test_a_failed_zero_copy_load_holds_no_descriptor_or_mapping(tmp_path: Path, 
     stream = weightstream.iter_weights(str(directory), zero_copy=True)
     next(stream)  # the first file is mapped
     os.replace(directory / "model-00001-of-00002.safetensors", tmp_path / "moved.safetensors")
-    with pytest.raises(weightstream.SourceChangedError, match=r"model-00001-of-00002.safetensors: was removed or renamed after its header was read") as caught:
+    with pytest.raises(
+        weightstream.SourceChangedError,
+        match=r"model-00001-of-00002.safetensors: was removed or renamed after its header was read",
+    ) as caught:
         dict(stream)
     maps = Path("/proc/self/maps").read_text()
-    assert str(directory) not in maps and str(tmp_path / "moved.safetensors") not in maps  # while the caller holds the error
+    assert (
+        str(directory) not in maps and str(tmp_path / "moved.safetensors") not in maps
+    )  # while the caller holds the error
     assert caught.value.__traceback__ is not None
 
 
@@ -163,5 +188,8 @@ def test_a_plan_without_versions_is_checked_for_its_size(tmp_path: Path, no_leak
     assert_same(dict(read_tensors(LocalStore(), unversioned, weightstream.LoadOptions())), state)
     with open(directory / "model-00001-of-00002.safetensors", "ab") as file:
         file.write(b"more")
-    with pytest.raises(weightstream.SourceChangedError, match=r"model-00001-of-00002.safetensors: is \d+ bytes now, \d+ when its header was read"):
+    with pytest.raises(
+        weightstream.SourceChangedError,
+        match=r"model-00001-of-00002.safetensors: is \d+ bytes now, \d+ when its header was read",
+    ):
         dict(read_tensors(LocalStore(), unversioned, weightstream.LoadOptions()))

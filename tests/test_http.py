@@ -49,19 +49,28 @@ def test_file_replaced_mid_load_is_a_typed_error(http_base, tmp_path: Path, no_l
             replaced.set()
             upload("s3", other, "http-replaced")
 
-    with pytest.raises(weightstream.SourceChangedError, match=r"range \d+\.\.\d+: HTTP 412: the object no longer matches the version planned \(replaced while loading\)"):
+    with pytest.raises(
+        weightstream.SourceChangedError,
+        match=r"range \d+\.\.\d+: HTTP 412: the object no longer matches the version planned "
+        r"\(replaced while loading\)",
+    ):
         weightstream.load_weights(url, chunk_bytes=64 << 10, threads=1, progress=replace_after_first_read)
 
 
 def test_a_directory_without_an_index_cannot_be_listed(http_base, tmp_path: Path, no_leaks):
-    with pytest.raises(weightstream.NotFound, match=r"no model.safetensors.index.json at this URL, and this store has no directory listing"):
+    with pytest.raises(
+        weightstream.NotFound,
+        match=r"no model.safetensors.index.json at this URL, and this store has no directory listing",
+    ):
         weightstream.load_weights(f"{http_base}/no-such-directory")
     with pytest.raises(weightstream.NotFound, match=r"no-such-file.safetensors: no such file or directory"):
         weightstream.load_weights(f"{http_base}/no-such-file.safetensors")
 
 
 def test_only_headers_are_storage_options(http_base, no_leaks):
-    with pytest.raises(weightstream.InvalidOptionError, match=r"storage_options for http\(s\):// take only 'headers', got endpoint_url"):
+    with pytest.raises(
+        weightstream.InvalidOptionError, match=r"storage_options for http\(s\):// take only 'headers', got endpoint_url"
+    ):
         weightstream.load_weights(f"{http_base}/x.safetensors", storage_options={"endpoint_url": "http://elsewhere"})
 
 
@@ -70,5 +79,7 @@ def test_store_pins_to_the_etag(http_base, tmp_path: Path, no_leaks):
     with contextlib.closing(HttpStore()) as store:
         source = store.open(url + "/model-00001-of-00001.safetensors")
         target = store.range_target(source)
-    assert target.url == source.uri and target.headers == {"If-Match": source.version} and source.version.startswith('"')
+    assert (
+        target.url == source.uri and target.headers == {"If-Match": source.version} and source.version.startswith('"')
+    )
     assert (target.version_header, target.version) == ("ETag", source.version)

@@ -59,10 +59,24 @@ def single_file(directory: Path, seed: int) -> tuple[Path, dict[str, torch.Tenso
 # The URI
 
 
-REPO_PARTS = st.from_regex(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,20}[A-Za-z0-9])?", fullmatch=True).filter(lambda part: "--" not in part and ".." not in part)
-REVISIONS = st.one_of(st.just("main"), st.from_regex(r"[a-f0-9]{40}", fullmatch=True),
-                      st.lists(st.from_regex(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]{0,10}", fullmatch=True).filter(lambda part: part not in (".", "..")), min_size=1, max_size=3).map("/".join))
-PATHS = st.lists(st.from_regex(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,12}", fullmatch=True).filter(lambda part: part not in (".", "..")), max_size=3).map("/".join)
+REPO_PARTS = st.from_regex(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,20}[A-Za-z0-9])?", fullmatch=True).filter(
+    lambda part: "--" not in part and ".." not in part
+)
+REVISIONS = st.one_of(
+    st.just("main"),
+    st.from_regex(r"[a-f0-9]{40}", fullmatch=True),
+    st.lists(
+        st.from_regex(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]{0,10}", fullmatch=True).filter(
+            lambda part: part not in (".", "..")
+        ),
+        min_size=1,
+        max_size=3,
+    ).map("/".join),
+)
+PATHS = st.lists(
+    st.from_regex(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,12}", fullmatch=True).filter(lambda part: part not in (".", "..")),
+    max_size=3,
+).map("/".join)
 
 
 @settings(max_examples=300, deadline=None)
@@ -105,15 +119,26 @@ def test_settings_come_from_the_options_over_the_environment(tmp_path: Path):
     environ = {"HF_HOME": str(tmp_path), "HF_ENDPOINT": "https://mirror.example/", "HF_HUB_OFFLINE": "yes"}
     (tmp_path / "token").write_text("hf_saved\n")
     from_environment = HubSettings.from_options(None, environ)
-    assert (from_environment.cache_dir, from_environment.endpoint, from_environment.offline, from_environment.token) == (
-        str(tmp_path / "hub"), "https://mirror.example", True, "hf_saved")
+    assert (
+        from_environment.cache_dir,
+        from_environment.endpoint,
+        from_environment.offline,
+        from_environment.token,
+    ) == (str(tmp_path / "hub"), "https://mirror.example", True, "hf_saved")
     assert "hf_saved" not in repr(from_environment), "the token is never shown"
-    chosen = HubSettings.from_options({"cache_dir": "/c", "offline": False, "token": "hf_given"}, {**environ, "HF_TOKEN": "hf_env"})
+    chosen = HubSettings.from_options(
+        {"cache_dir": "/c", "offline": False, "token": "hf_given"}, {**environ, "HF_TOKEN": "hf_env"}
+    )
     assert (chosen.cache_dir, chosen.offline, chosen.token) == ("/c", False, "hf_given")
     assert chosen.request_headers() == {"Authorization": "Bearer hf_given"}
-    with pytest.raises(weightstream.InvalidOptionError, match=r"storage_options for hf:// take cache_dir, endpoint, headers, offline, token; got revision"):
+    with pytest.raises(
+        weightstream.InvalidOptionError,
+        match=r"storage_options for hf:// take cache_dir, endpoint, headers, offline, token; got revision",
+    ):
         HubSettings.from_options({"revision": "main"}, {})
-    with pytest.raises(weightstream.OptionError, match=r"storage_options\['offline'\] for hf:// must be True or False, got str"):
+    with pytest.raises(
+        weightstream.OptionError, match=r"storage_options\['offline'\] for hf:// must be True or False, got str"
+    ):
         HubSettings.from_options({"offline": "1"}, {})
 
 
@@ -143,17 +168,30 @@ def test_revisions_and_paths_inside_the_repository(hub_environment, sharded, tmp
     assert_same(weightstream.load_weights("hf://org/tiny"), state)
 
 
-def test_offline_a_miss_is_a_typed_error_naming_the_cache_and_no_request_is_made(hub_environment, monkeypatch, sharded, no_leaks):
+def test_offline_a_miss_is_a_typed_error_naming_the_cache_and_no_request_is_made(
+    hub_environment, monkeypatch, sharded, no_leaks
+):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(weightstream.NotFound, match=(
-            rf"hf://org/absent: not in the Hugging Face cache at {hub_environment} \(no {hub_environment}/models--org--absent/refs/main\), "
-            r"and HF_HUB_OFFLINE is set, so the Hub is not asked: download it first \(huggingface-cli download org/absent --revision main\)")):
+    with pytest.raises(
+        weightstream.NotFound,
+        match=(
+            rf"hf://org/absent: not in the Hugging Face cache at {hub_environment} \(no "
+            rf"{hub_environment}/models--org--absent/refs/main\), "
+            r"and HF_HUB_OFFLINE is set, so the Hub is not asked: download it first \(huggingface-cli download "
+            r"org/absent --revision main\)"
+        ),
+    ):
         weightstream.load_weights("hf://org/absent")
     directory, _ = sharded
     commit = cache_model(hub_environment, "org/partial", directory, skip=("model-00002-of-00002.safetensors",))
-    with pytest.raises(weightstream.NotFound, match=rf"snapshots/{commit} lacks 1 of the 2 shards its index names \(model-00002-of-00002\.safetensors\)"):
+    with pytest.raises(
+        weightstream.NotFound,
+        match=rf"snapshots/{commit} lacks 1 of the 2 shards its index names \(model-00002-of-00002\.safetensors\)",
+    ):
         weightstream.load_weights("hf://org/partial")
-    with pytest.raises(weightstream.NotFound, match=r"@v9: not in the Hugging Face cache .*refs/v9\), and offline=True"):
+    with pytest.raises(
+        weightstream.NotFound, match=r"@v9: not in the Hugging Face cache .*refs/v9\), and offline=True"
+    ):
         weightstream.load_weights("hf://org/partial@v9", storage_options={"offline": True})
 
 
@@ -169,7 +207,9 @@ def test_a_ref_that_is_not_a_commit_is_a_miss(hub_environment, sharded, monkeypa
 # The Hub
 
 
-def test_a_miss_is_read_from_the_hub_at_one_commit_and_the_token_never_reaches_the_cdn(hub_environment, monkeypatch, sharded, tmp_path, no_leaks):
+def test_a_miss_is_read_from_the_hub_at_one_commit_and_the_token_never_reaches_the_cdn(
+    hub_environment, monkeypatch, sharded, tmp_path, no_leaks
+):
     directory, state = sharded
     with HubServer(tmp_path / "hub", token="hf_secret") as server:
         commit = server.publish("org/tiny", directory)
@@ -182,10 +222,15 @@ def test_a_miss_is_read_from_the_hub_at_one_commit_and_the_token_never_reaches_t
         assert server.requests[0] == "GET /api/models/org/tiny/revision/main"
         assert set(server.authorizations) == {"Bearer hf_secret"}
         assert server.cdn.authorizations and set(server.cdn.authorizations) == {None}, "the token went to the CDN"
-        assert any(line.startswith(f"GET /org/tiny/{commit}/model-00001-of-00002.safetensors bytes=") for line in server.cdn.requests)
+        assert any(
+            line.startswith(f"GET /org/tiny/{commit}/model-00001-of-00002.safetensors bytes=")
+            for line in server.cdn.requests
+        )
 
 
-def test_a_partial_cache_goes_to_the_hub_and_a_single_file_repository_needs_no_index(hub_environment, monkeypatch, sharded, tmp_path, no_leaks):
+def test_a_partial_cache_goes_to_the_hub_and_a_single_file_repository_needs_no_index(
+    hub_environment, monkeypatch, sharded, tmp_path, no_leaks
+):
     directory, state = sharded
     cache_model(hub_environment, "org/tiny", directory, skip=("model-00001-of-00002.safetensors",))
     lone, lone_state = single_file(tmp_path / "lone", seed=7)
@@ -216,17 +261,26 @@ def test_hub_refusals_are_typed_and_say_what_to_do(hub_environment, monkeypatch,
     with HubServer(tmp_path / "hub", token="hf_secret") as server:
         server.publish("org/private", directory)
         monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-        with pytest.raises(weightstream.NotFound, match=r"HTTP 401 RepoNotFound: no such model repository, or it is private or gated \(set HF_TOKEN"):
+        with pytest.raises(
+            weightstream.NotFound,
+            match=r"HTTP 401 RepoNotFound: no such model repository, or it is private or gated \(set HF_TOKEN",
+        ):
             weightstream.load_weights("hf://org/private")
         monkeypatch.setenv("HF_TOKEN", "hf_secret")
-        with pytest.raises(weightstream.NotFound, match=r"hf://org/private@v2 \(.*/api/models/org/private/revision/v2\): the repository has no revision 'v2'"):
+        with pytest.raises(
+            weightstream.NotFound,
+            match=r"hf://org/private@v2 \(.*/api/models/org/private/revision/v2\): the repository has no revision 'v2'",
+        ):
             weightstream.load_weights("hf://org/private@v2")
         with pytest.raises(weightstream.NotFound, match=r"the repository has no 'fp8' at commit"):
             weightstream.load_weights("hf://org/private/fp8")
         with pytest.raises(weightstream.NotFound, match=r"the token was refused or does not grant it"):
             weightstream.load_weights("hf://org/private", storage_options={"token": "hf_wrong"})
         server.gated = True
-        with pytest.raises(weightstream.SourceError, match=r"HTTP 403 GatedRepo: access to this repository is not granted to this token"):
+        with pytest.raises(
+            weightstream.SourceError,
+            match=r"HTTP 403 GatedRepo: access to this repository is not granted to this token",
+        ):
             weightstream.load_weights("hf://org/private")
 
 
@@ -251,7 +305,10 @@ def test_hub_ids_of_engines_resolve_as_the_engines_do(hub_environment, sharded, 
     assert model_weights("s3://bucket/llama", None, None, {"threads": 2}) == ("s3://bucket/llama", {"threads": 2})
     elsewhere = tmp_path / "download-dir"
     other = cache_model(elsewhere, "org/tiny", directory, revision="v1", commit=commit_of("v1"))
-    assert model_weights("org/tiny", "v1", str(elsewhere), {}) == (str(elsewhere / "models--org--tiny" / "snapshots" / other), {"storage_options": {"cache_dir": str(elsewhere)}})
+    assert model_weights("org/tiny", "v1", str(elsewhere), {}) == (
+        str(elsewhere / "models--org--tiny" / "snapshots" / other),
+        {"storage_options": {"cache_dir": str(elsewhere)}},
+    )
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(weightstream.NotFound, match=r"hf://org/tiny@v2: not in the Hugging Face cache"):
         model_weights("org/tiny", "v2", None, {})

@@ -26,7 +26,14 @@ def llama_names(draw) -> tuple[list[str], int, set[str]]:
         for projection in draw(st.lists(st.sampled_from(PROJECTIONS), min_size=1, max_size=5, unique=True)):
             names.append(f"model.layers.{layer}.{projection}.weight")
         names += [f"model.layers.{layer}.mlp.experts.{e}.w1.weight" for e in range(experts)]
-    extras = set(draw(st.lists(st.sampled_from(["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "score.bias"]), unique=True)))
+    extras = set(
+        draw(
+            st.lists(
+                st.sampled_from(["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "score.bias"]),
+                unique=True,
+            )
+        )
+    )
     names += sorted(extras)
     return draw(st.permutations(names)), layers, extras
 
@@ -79,8 +86,10 @@ def test_any_names_group_without_error_and_lose_nothing(names):
 
 def test_layer_numbers_of_thousands_of_digits_sort_like_numbers():
     huge = "9" * 5000
-    specs = [TensorSpec(f"model.layers.{number}.w", torch.uint8, (1,), "f", position, 1)
-             for position, number in enumerate([huge, "10", "2", "0" + huge])]
+    specs = [
+        TensorSpec(f"model.layers.{number}.w", torch.uint8, (1,), "f", position, 1)
+        for position, number in enumerate([huge, "10", "2", "0" + huge])
+    ]
     order = [layer.key for layer in group_layers(specs)]
     assert order == ["model.layers.2", "model.layers.10", f"model.layers.{huge}", f"model.layers.0{huge}"]
 

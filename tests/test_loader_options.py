@@ -66,7 +66,14 @@ def checkpoint(tmp_path: Path) -> Path:
 def test_a_third_party_loader_receives_its_own_option(scaled_loader, checkpoint, no_leaks):
     loaded = weightstream.load_weights(checkpoint, format="scaled-test", factor=3, threads=2)
     assert loaded["model.layers.0.w"].tolist() == [0, 3, 6, 9, 12, 15]
-    assert weightstream.load_weights(checkpoint, format="scaled-test")["model.layers.0.w"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert weightstream.load_weights(checkpoint, format="scaled-test")["model.layers.0.w"].tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
 
 
 def test_a_third_party_option_is_validated_by_its_dataclass_before_any_io(scaled_loader, tmp_path, no_leaks):
@@ -75,12 +82,18 @@ def test_a_third_party_option_is_validated_by_its_dataclass_before_any_io(scaled
 
 
 def test_the_other_loaders_refuse_a_third_party_option(scaled_loader, checkpoint, no_leaks):
-    with pytest.raises(InvalidOptionError, match=r"factor: an option of format='scaled-test'; the safetensors loader does not use it"):
+    with pytest.raises(
+        InvalidOptionError, match=r"factor: an option of format='scaled-test'; the safetensors loader does not use it"
+    ):
         weightstream.load_weights(checkpoint, factor=2)
 
 
 def test_an_option_no_loader_knows_is_refused_before_any_io(tmp_path, no_leaks):
-    with pytest.raises(OptionError, match=r"unknown option\(s\) prefetch_layer; known options: .*max_inflight_bytes, .*prefetch_layers, .*zero_copy"):
+    with pytest.raises(
+        OptionError,
+        match=r"unknown option\(s\) prefetch_layer; known options: "
+        r".*max_inflight_bytes, .*prefetch_layers, .*zero_copy",
+    ):
         weightstream.load_weights(tmp_path / "absent", prefetch_layer=2)
 
 
@@ -89,19 +102,44 @@ def test_an_unknown_option_for_a_named_loader_lists_its_options(scaled_loader, c
         weightstream.load_weights(checkpoint, format="scaled-test", scale=2)
 
 
-@pytest.mark.parametrize(("options", "error", "message"), [
-    ({"max_inflight_bytes": 0}, InvalidOptionError, r"max_inflight_bytes must be a positive integer or None, got 0"),
-    ({"max_inflight_bytes": 1.5e9}, InvalidOptionError, r"max_inflight_bytes must be a positive integer or None, got 1500000000.0"),
-    ({"max_inflight_bytes": 1 << 20, "chunk_bytes": 8 << 20}, InvalidOptionError,
-     r"max_inflight_bytes=1048576 is less than chunk_bytes=8388608: not even one read request would fit"),
-    ({"format": "safetensors", "max_inflight_bytes": 1 << 30}, InvalidOptionError,
-     r"max_inflight_bytes: an option of format='streaming'; the safetensors loader does not use it"),
-    ({"format": "layered", "prefetch_layers": 0}, InvalidOptionError, r"prefetch_layers must be a positive integer, got 0"),
-    ({"format": "layered", "copy_layers": 1}, OptionError, r"copy_layers must be a bool, got int"),
-    ({"format": "layered", "layer_hook": 3}, OptionError, r"layer_hook must be callable, got int"),
-    ({"format": "sharded-state", "verify": "yes"}, OptionError, r"verify must be a bool, got str"),
-    ({"format": "distributed", "stats": {}}, InvalidOptionError, r"stats must be a weightstream.DistributedStats, got dict"),
-])
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        (
+            {"max_inflight_bytes": 0},
+            InvalidOptionError,
+            r"max_inflight_bytes must be a positive integer or None, got 0",
+        ),
+        (
+            {"max_inflight_bytes": 1.5e9},
+            InvalidOptionError,
+            r"max_inflight_bytes must be a positive integer or None, got 1500000000.0",
+        ),
+        (
+            {"max_inflight_bytes": 1 << 20, "chunk_bytes": 8 << 20},
+            InvalidOptionError,
+            r"max_inflight_bytes=1048576 is less than chunk_bytes=8388608: not even one read request would fit",
+        ),
+        (
+            {"format": "safetensors", "max_inflight_bytes": 1 << 30},
+            InvalidOptionError,
+            r"max_inflight_bytes: an option of format='streaming'; the safetensors loader does not use it",
+        ),
+        (
+            {"format": "layered", "prefetch_layers": 0},
+            InvalidOptionError,
+            r"prefetch_layers must be a positive integer, got 0",
+        ),
+        ({"format": "layered", "copy_layers": 1}, OptionError, r"copy_layers must be a bool, got int"),
+        ({"format": "layered", "layer_hook": 3}, OptionError, r"layer_hook must be callable, got int"),
+        ({"format": "sharded-state", "verify": "yes"}, OptionError, r"verify must be a bool, got str"),
+        (
+            {"format": "distributed", "stats": {}},
+            InvalidOptionError,
+            r"stats must be a weightstream.DistributedStats, got dict",
+        ),
+    ],
+)
 def test_bad_loader_options_are_refused_before_any_io(tmp_path, options, error, message, no_leaks):
     options = {"format": "streaming", **options}
     with pytest.raises(error, match=message):
@@ -109,9 +147,14 @@ def test_bad_loader_options_are_refused_before_any_io(tmp_path, options, error, 
 
 
 def test_iter_layers_on_another_loaders_checkpoint_refuses_that_loaders_options(checkpoint, no_leaks):
-    with weightstream.open(checkpoint, "streaming", max_inflight_bytes=64 << 20) as opened:
-        with pytest.raises(InvalidOptionError, match=r"max_inflight_bytes: an option of format='streaming'; iter_layers reads through the layered loader"):
-            opened.iter_layers()
+    with (
+        weightstream.open(checkpoint, "streaming", max_inflight_bytes=64 << 20) as opened,
+        pytest.raises(
+            InvalidOptionError,
+            match=r"max_inflight_bytes: an option of format='streaming'; iter_layers reads through the layered loader",
+        ),
+    ):
+        opened.iter_layers()
     with weightstream.open(checkpoint, "streaming") as opened:
         assert [key for key, _ in opened.iter_layers()] == ["model.layers.0"]
 

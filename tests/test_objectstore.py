@@ -32,7 +32,9 @@ def test_sharded_checkpoint_every_dtype(scheme, tmp_path: Path, no_leaks):
 
 def test_object_replaced_mid_load_is_a_typed_error_never_a_splice(scheme, tmp_path: Path, no_leaks):
     shape = LlamaShape(hidden=256, intermediate=704, layers=2, vocab=1000)
-    uri = upload(scheme, save_hf_sharded(llama_state_dict(shape, seed=1), tmp_path / "v1", shards=2), "replaced-mid-load")
+    uri = upload(
+        scheme, save_hf_sharded(llama_state_dict(shape, seed=1), tmp_path / "v1", shards=2), "replaced-mid-load"
+    )
     other = save_hf_sharded(llama_state_dict(shape, seed=2), tmp_path / "v2", shards=2)  # same sizes, other bytes
     replaced = threading.Event()
 
@@ -47,11 +49,15 @@ def test_object_replaced_mid_load_is_a_typed_error_never_a_splice(scheme, tmp_pa
 
 def test_object_replaced_between_plan_and_read(scheme, tmp_path: Path, no_leaks):
     shape = LlamaShape(hidden=64, intermediate=160, layers=2, vocab=96)
-    uri = upload(scheme, save_hf_sharded(llama_state_dict(shape, seed=1), tmp_path / "v1", shards=2), "replaced-before-read")
+    uri = upload(
+        scheme, save_hf_sharded(llama_state_dict(shape, seed=1), tmp_path / "v1", shards=2), "replaced-before-read"
+    )
     stream = weightstream.iter_weights(uri)
     upload(scheme, save_hf_sharded(llama_state_dict(shape, seed=2), tmp_path / "v2", shards=2), "replaced-before-read")
     # Reads are pinned to the planned version: the first range of the replaced object is refused.
-    with pytest.raises(weightstream.SourceChangedError, match=r"range \d+\.\.\d+: HTTP (412|404)\b.*(no longer matches|is gone)"):
+    with pytest.raises(
+        weightstream.SourceChangedError, match=r"range \d+\.\.\d+: HTTP (412|404)\b.*(no longer matches|is gone)"
+    ):
         next(stream)
 
 
@@ -70,13 +76,18 @@ def test_missing_object_and_prefix(scheme, no_leaks):
         weightstream.load_weights(f"{scheme}://bench/nothing.safetensors")
 
 
-@pytest.mark.parametrize("loader, option, message", [
-    ("safetensors", {"direct_io": True}, "direct_io=True: {uri} is an object, not a local file"),
-    ("safetensors", {"zero_copy": True}, "zero_copy=True: {uri} is an object, not a local file"),
-    ("auto", {"direct_io": True}, "direct_io=True: {uri} is an object, not a local file"),
-    ("auto", {"zero_copy": True}, "zero_copy maps whole files: the streaming loader reads into memory of its own"),
-])
-def test_local_only_options_are_refused_for_objects(scheme, tmp_path: Path, tiny_state, loader, option, message, no_leaks):
+@pytest.mark.parametrize(
+    "loader, option, message",
+    [
+        ("safetensors", {"direct_io": True}, "direct_io=True: {uri} is an object, not a local file"),
+        ("safetensors", {"zero_copy": True}, "zero_copy=True: {uri} is an object, not a local file"),
+        ("auto", {"direct_io": True}, "direct_io=True: {uri} is an object, not a local file"),
+        ("auto", {"zero_copy": True}, "zero_copy maps whole files: the streaming loader reads into memory of its own"),
+    ],
+)
+def test_local_only_options_are_refused_for_objects(
+    scheme, tmp_path: Path, tiny_state, loader, option, message, no_leaks
+):
     uri = upload(scheme, save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=1), "local-only-options")
     with pytest.raises(weightstream.InvalidOptionError, match=message.format(uri=uri)):
         weightstream.load_weights(uri, format=loader, **option)

@@ -29,7 +29,11 @@ def faulty(request, tmp_path_factory):
     scheme = request.param
     endpoint = request.getfixturevalue("gcs_endpoint" if scheme == "gs" else "s3_endpoint")
     state = llama_state_dict(SHAPE, seed=3)
-    uri = upload("s3" if scheme == "http" else scheme, save_hf_sharded(state, tmp_path_factory.mktemp("faults") / "ckpt", shards=2), f"faults-{scheme}")
+    uri = upload(
+        "s3" if scheme == "http" else scheme,
+        save_hf_sharded(state, tmp_path_factory.mktemp("faults") / "ckpt", shards=2),
+        f"faults-{scheme}",
+    )
     upstream = request.getfixturevalue("http_base") if scheme == "http" else endpoint
     with FaultProxy(int(upstream.split(":")[2].split("/")[0])) as proxy:
         if scheme == "http":
@@ -61,7 +65,12 @@ def test_slowdown_answers_are_retried(faulty, no_leaks):
 def test_a_reset_range_resumes_from_the_byte_reached(faulty, no_leaks):
     uri, state, proxy = faulty
     faults = []
-    loaded = load_through(proxy, uri, lambda: faults.append(proxy.inject(DATA_GET, "reset", times=2, after_bytes=300_000, min_range_bytes=MIB // 2)), threads=1)
+    loaded = load_through(
+        proxy,
+        uri,
+        lambda: faults.append(proxy.inject(DATA_GET, "reset", times=2, after_bytes=300_000, min_range_bytes=MIB // 2)),
+        threads=1,
+    )
     assert_same(loaded, state)
     asked = [span(ranges) for _, ranges in data_gets(proxy) if ranges]
     assert len(faults[0].hits) == 2
@@ -74,14 +83,22 @@ def test_a_reset_range_resumes_from_the_byte_reached(faulty, no_leaks):
 def test_a_short_body_is_resumed(faulty, no_leaks):
     uri, state, proxy = faulty
     faults = []
-    loaded = load_through(proxy, uri, lambda: faults.append(proxy.inject(DATA_GET, "short", times=2, after_bytes=300_000, min_range_bytes=MIB // 2)), threads=1)
+    loaded = load_through(
+        proxy,
+        uri,
+        lambda: faults.append(proxy.inject(DATA_GET, "short", times=2, after_bytes=300_000, min_range_bytes=MIB // 2)),
+        threads=1,
+    )
     assert_same(loaded, state)
     assert len(faults[0].hits) == 2
 
 
 def test_a_whole_object_where_a_range_was_asked_is_an_error_not_data(faulty, no_leaks):
     uri, _, proxy = faulty
-    with pytest.raises(weightstream.SourceError, match=r"model-00001-of-00002.safetensors: range \d+\.\.\d+: answered 200 with the whole object, not 206"):
+    with pytest.raises(
+        weightstream.SourceError,
+        match=r"model-00001-of-00002.safetensors: range \d+\.\.\d+: answered 200 with the whole object, not 206",
+    ):
         load_through(proxy, uri, lambda: proxy.inject(DATA_GET, "whole", times=1))
 
 
@@ -95,7 +112,9 @@ def test_a_stalled_range_is_retried_after_the_request_timeout(faulty, no_leaks):
     start = time.monotonic()
     faults = []
     loaded = load_through(
-        proxy, uri, lambda: faults.append(proxy.inject(DATA_GET, "stall", times=1, after_bytes=100_000, min_range_bytes=MIB // 2)),
+        proxy,
+        uri,
+        lambda: faults.append(proxy.inject(DATA_GET, "stall", times=1, after_bytes=100_000, min_range_bytes=MIB // 2)),
         request_timeout_s=1.0,
     )
     assert_same(loaded, state)
@@ -105,7 +124,10 @@ def test_a_stalled_range_is_retried_after_the_request_timeout(faulty, no_leaks):
 
 def test_giving_up_names_the_object_and_range(faulty, no_leaks):
     uri, _, proxy = faulty
-    with pytest.raises(weightstream.SourceError, match=rf"{re.escape(uri)}/model-00001-of-00002.safetensors: range \d+\.\.\d+: gave up after 3 attempt\(s\): "):
+    with pytest.raises(
+        weightstream.SourceError,
+        match=rf"{re.escape(uri)}/model-00001-of-00002.safetensors: range \d+\.\.\d+: gave up after 3 attempt\(s\): ",
+    ):
         load_through(proxy, uri, lambda: proxy.inject(DATA_GET, "503", times=100), retries=2)
 
 
@@ -113,7 +135,9 @@ def test_the_deadline_ends_a_stalled_load(faulty, no_leaks):
     uri, _, proxy = faulty
     start = time.monotonic()
     with pytest.raises(weightstream.SourceTimeout, match=r"deadline|stalled"):
-        load_through(proxy, uri, lambda: proxy.inject(r"^GET ", "stall", times=100), deadline_s=2.0, request_timeout_s=30.0)
+        load_through(
+            proxy, uri, lambda: proxy.inject(r"^GET ", "stall", times=100), deadline_s=2.0, request_timeout_s=30.0
+        )
     assert time.monotonic() - start < 10
 
 
@@ -122,6 +146,8 @@ def test_bad_credentials_are_not_retried(s3_endpoint, faulty, no_leaks):
     if not uri.startswith("s3://"):
         pytest.skip("the GCS emulator and the HTTP filer do not check credentials")
     before = len(proxy.requests)
-    with pytest.raises(weightstream.SourceError, match=r"access denied|AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId"):
+    with pytest.raises(
+        weightstream.SourceError, match=r"access denied|AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId"
+    ):
         weightstream.load_weights(uri, storage_options={"endpoint_url": proxy.url, "key": "testing", "secret": "wrong"})
     assert len(proxy.requests) - before <= 2, proxy.requests[before:]

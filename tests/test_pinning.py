@@ -21,7 +21,9 @@ def test_pages_are_unregistered_after_the_last_tensor_and_while_still_mapped(mon
     calls = []
     monkeypatch.setattr(pinning, "register", lambda address, nbytes: calls.append(("register", address, nbytes)))
     # A read through the address would fault if the mapping were already gone.
-    monkeypatch.setattr(pinning, "unregister", lambda address: calls.append(("unregister", address, ctypes.string_at(address, 2))))
+    monkeypatch.setattr(
+        pinning, "unregister", lambda address: calls.append(("unregister", address, ctypes.string_at(address, 2)))
+    )
     arena = HostArena(8192, huge_pages=False, pinned=True)
     arena.view[:2] = b"\x07\x09"
     tensor = arena.tensor(0, TensorSpec("w", torch.uint8, (2,), "f", 0, 2))
@@ -35,10 +37,15 @@ def test_pages_are_unregistered_after_the_last_tensor_and_while_still_mapped(mon
     assert calls[1:] == [("unregister", address, b"\x07\x09")]
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None,
-                    reason="the driver's refusal, seen where cuda-python is installed and there is no GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None,
+    reason="the driver's refusal, seen where cuda-python is installed and there is no GPU",
+)
 def test_a_refused_registration_is_a_typed_error_and_frees_the_mapping(no_leaks):
-    with pytest.raises(weightstream.DeviceUnavailableError, match=r"cudaHostRegister of 8192 bytes at 0x[0-9a-f]+ failed: cudaError\w+ \(") as raised:
+    with pytest.raises(
+        weightstream.DeviceUnavailableError,
+        match=r"cudaHostRegister of 8192 bytes at 0x[0-9a-f]+ failed: cudaError\w+ \(",
+    ) as raised:
         HostArena(8192, huge_pages=False, pinned=True)
     address = int(re.search(r"at (0x[0-9a-f]+)", str(raised.value)).group(1), 16)
     assert not mapped(address), "the arena's mapping outlived the failed registration"
@@ -54,7 +61,10 @@ def mapped(address: int) -> bool:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None, reason="needs CUDA and cuda-python")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None,
+    reason="needs CUDA and cuda-python",
+)
 def test_pinned_load_registers_exactly_its_buffers_and_releases_them(tmp_path, tiny_state, no_leaks):
     from tests.conftest import save_hf_sharded
 

@@ -62,17 +62,24 @@ def test_taken_name_raises_unless_clobber(clean_registry):
     class Other(EchoLoader):
         pass
 
-    with pytest.raises(LoaderRegistrationError, match=r"format 'safetensors' is already registered to weightstream.loaders.safetensors:SafetensorsLoader; pass clobber=True"):
+    with pytest.raises(
+        LoaderRegistrationError,
+        match=r"format 'safetensors' is already registered to weightstream.loaders.safetensors:SafetensorsLoader; pass "
+        r"clobber=True",
+    ):
         weightstream.register_loader("safetensors", Other)
     weightstream.register_loader("safetensors", Other, clobber=True)
     assert isinstance(clean_registry.get_loader("safetensors"), Other)
 
 
-@pytest.mark.parametrize("name, loader, message", [
-    ("", EchoLoader, r"loader name must be a non-empty string"),
-    ("x-test", 42, r"loader 'x-test' must be a class or a 'module:Class' string, got int"),
-    ("x-test", "no_colon", r"dotted path 'no_colon' must look like 'package.module:Class'"),
-])
+@pytest.mark.parametrize(
+    "name, loader, message",
+    [
+        ("", EchoLoader, r"loader name must be a non-empty string"),
+        ("x-test", 42, r"loader 'x-test' must be a class or a 'module:Class' string, got int"),
+        ("x-test", "no_colon", r"dotted path 'no_colon' must look like 'package.module:Class'"),
+    ],
+)
 def test_bad_registrations(clean_registry, name, loader, message):
     with pytest.raises(LoaderRegistrationError, match=message):
         weightstream.register_loader(name, loader)
@@ -85,7 +92,10 @@ def test_unknown_format_lists_known_ones(tmp_path: Path):
 
 def test_unimportable_dotted_path(clean_registry):
     weightstream.register_loader("ghost-test", "no_such_module_xyz:Loader")
-    with pytest.raises(LoaderRegistrationError, match=r"format 'ghost-test': cannot import 'no_such_module_xyz'.*is the package providing"):
+    with pytest.raises(
+        LoaderRegistrationError,
+        match=r"format 'ghost-test': cannot import 'no_such_module_xyz'.*is the package providing",
+    ):
         clean_registry.get_loader("ghost-test")
 
 
@@ -100,7 +110,8 @@ def test_not_a_loader(clean_registry):
 
 def test_entry_point_group(tmp_path: Path):
     """A third-party package registers through the entry-point group, imported only when used."""
-    (tmp_path / "thirdparty_loader.py").write_text(textwrap.dedent("""
+    (tmp_path / "thirdparty_loader.py").write_text(
+        textwrap.dedent("""
         import sys
         sys.modules["thirdparty_loader_imported"] = sys
         class Loader:
@@ -108,7 +119,8 @@ def test_entry_point_group(tmp_path: Path):
             def check(self, opts): pass
             def plan(self, store, uri, opts): return None
             def iter_weights(self, store, plan, opts): return iter(())
-    """))
+    """)
+    )
     dist = tmp_path / "thirdparty_loader-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-loader\nVersion: 1.0\n")
@@ -123,5 +135,12 @@ def test_entry_point_group(tmp_path: Path):
         assert "thirdparty_loader_imported" in sys.modules
         print("ok")
     """)
-    result = subprocess.run([sys.executable, "-c", script], env={"PYTHONPATH": str(tmp_path), "PATH": ""}, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env={"PYTHONPATH": str(tmp_path), "PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.stdout.strip() == "ok", result.stderr

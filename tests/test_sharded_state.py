@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 import weightstream
 from tests.conftest import assert_same
 from tests.sharded_saver import state as saver_state
-from weightstream.bench.demo import LlamaShape, llama_state_dict
 from weightstream import handle
+from weightstream.bench.demo import LlamaShape, llama_state_dict
 from weightstream.sources.local import LocalStore
 
 SHAPE = LlamaShape(hidden=128, intermediate=352, layers=3, vocab=500)
@@ -33,13 +33,20 @@ ROOT = Path(__file__).parent.parent
 
 def split_for(world_size: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """A different state dict per rank (what each tensor-parallel rank holds after sharding)."""
-    return [{f"{name}.r{rank}": tensor for name, tensor in llama_state_dict(SHAPE, seed=seed + rank).items()} for rank in range(world_size)]
+    return [
+        {f"{name}.r{rank}": tensor for name, tensor in llama_state_dict(SHAPE, seed=seed + rank).items()}
+        for rank in range(world_size)
+    ]
 
 
-def save_world(directory: Path, world_size: int, max_file_bytes: int = 1 << 30, **options) -> list[dict[str, torch.Tensor]]:
+def save_world(
+    directory: Path, world_size: int, max_file_bytes: int = 1 << 30, **options
+) -> list[dict[str, torch.Tensor]]:
     states = split_for(world_size)
     for rank, state in enumerate(states):
-        weightstream.save_sharded_state(state, directory, rank=rank, world_size=world_size, max_file_bytes=max_file_bytes, **options)
+        weightstream.save_sharded_state(
+            state, directory, rank=rank, world_size=world_size, max_file_bytes=max_file_bytes, **options
+        )
     return states
 
 
@@ -51,7 +58,9 @@ def save_world(directory: Path, world_size: int, max_file_bytes: int = 1 << 30, 
 def test_each_rank_loads_its_own_state_bit_exact(tmp_path: Path, world_size, max_file_bytes, no_leaks):
     states = save_world(tmp_path, world_size, max_file_bytes)
     for rank, state in enumerate(states):
-        assert_same(weightstream.load_weights(tmp_path, format="sharded-state", rank=rank, world_size=world_size), state)
+        assert_same(
+            weightstream.load_weights(tmp_path, format="sharded-state", rank=rank, world_size=world_size), state
+        )
         assert_same(weightstream.load_weights(tmp_path, format="sharded-state", rank=rank, verify=True), state)
     parts = sorted(p.name for p in tmp_path.glob("model-rank-0-part-*.safetensors"))
     if max_file_bytes == 64 << 10:
@@ -76,11 +85,21 @@ def test_pipeline_parallel_pattern_and_custom_patterns(tmp_path: Path, no_leaks)
     for pp in range(2):
         for tp in range(2):
             states[pp, tp] = split_for(1, seed=10 * pp + tp)[0]
-            weightstream.save_sharded_state(states[pp, tp], tmp_path / "pp", rank=(pp, tp), world_size=(2, 2),
-                                            pattern="model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors")
+            weightstream.save_sharded_state(
+                states[pp, tp],
+                tmp_path / "pp",
+                rank=(pp, tp),
+                world_size=(2, 2),
+                pattern="model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors",
+            )
     assert (tmp_path / "pp" / "model-pp-1-tp-0-part-0.safetensors").exists()
     for rank, state in states.items():
-        assert_same(weightstream.load_weights(tmp_path / "pp", format="sharded-state", rank=rank, world_size=(2, 2), verify=True), state)
+        assert_same(
+            weightstream.load_weights(
+                tmp_path / "pp", format="sharded-state", rank=rank, world_size=(2, 2), verify=True
+            ),
+            state,
+        )
     custom = "weights-tp{rank}-{part}.safetensors"
     custom_states = save_world(tmp_path / "custom", 2, 64 << 10, pattern=custom)
     assert (tmp_path / "custom" / "weights-tp1-0.safetensors").exists()
@@ -120,42 +139,78 @@ def test_a_rank_reads_no_byte_of_another_ranks_files(tmp_path: Path, monkeypatch
 
 def test_world_size_mismatch_is_a_typed_error(tmp_path: Path, no_leaks):
     save_world(tmp_path, 2)
-    with pytest.raises(weightstream.ManifestError, match=r"weightstream-manifest-rank-1.json: saved for a world size of 2; this load runs with 4"):
+    with pytest.raises(
+        weightstream.ManifestError,
+        match=r"weightstream-manifest-rank-1.json: saved for a world size of 2; this load runs with 4",
+    ):
         weightstream.load_weights(tmp_path, format="sharded-state", rank=1, world_size=4)
 
 
 def test_a_missing_part_is_a_typed_error(tmp_path: Path, no_leaks):
     save_world(tmp_path, 2, 64 << 10)
     (tmp_path / "model-rank-1-part-2.safetensors").unlink()
-    with pytest.raises(weightstream.ManifestError, match=r"lists model-rank-1-part-2.safetensors, which is not in .* \(1 of \d+ files missing\)"):
+    with pytest.raises(
+        weightstream.ManifestError,
+        match=r"lists model-rank-1-part-2.safetensors, which is not in .* \(1 of \d+ files missing\)",
+    ):
         weightstream.load_weights(tmp_path, format="sharded-state", rank=1)
 
 
 def test_extra_files_are_typed_errors(tmp_path: Path, no_leaks):
     save_world(tmp_path, 2)
     shutil.copy(tmp_path / "model-rank-1-part-0.safetensors", tmp_path / "model-rank-1-part-1.safetensors")
-    with pytest.raises(weightstream.ManifestError, match=r"model-rank-1-part-1.safetensors is a file of rank 1 that .* does not list \(an extra file\)"):
+    with pytest.raises(
+        weightstream.ManifestError,
+        match=r"model-rank-1-part-1.safetensors is a file of rank 1 that .* does not list \(an extra file\)",
+    ):
         weightstream.load_weights(tmp_path, format="sharded-state", rank=1)
     (tmp_path / "model-rank-1-part-1.safetensors").unlink()
     shutil.copy(tmp_path / "model-rank-1-part-0.safetensors", tmp_path / "model-rank-2-part-0.safetensors")
-    with pytest.raises(weightstream.ManifestError, match=r"model-rank-2-part-0.safetensors belongs to rank 2, outside the saved world size 2"):
+    with pytest.raises(
+        weightstream.ManifestError,
+        match=r"model-rank-2-part-0.safetensors belongs to rank 2, outside the saved world size 2",
+    ):
         weightstream.load_weights(tmp_path, format="sharded-state", rank=0)
 
 
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda doc: doc.update(version=2), r"version 2; this weightstream reads 'weightstream.sharded-state' version 1"),
+        (
+            lambda doc: doc.update(version=2),
+            r"version 2; this weightstream reads 'weightstream.sharded-state' version 1",
+        ),
         (lambda doc: doc.pop("checksum"), r"the manifest lacks 'checksum'"),
         (lambda doc: doc.update(checksum="md5"), r"checksum 'md5' is not one of xxh3-128, sha256"),
         (lambda doc: doc["files"][0].update(size=-1), r"files\[0\].size must be a non-negative integer, got -1"),
-        (lambda doc: doc["files"][0].update(name="model-rank-1-part-0.safetensors"), r"files\[0\] is 'model-rank-1-part-0.safetensors', but part 0 of 0 is"),
-        (lambda doc: doc["files"][0]["tensors"][0].update(offset=9), r"tensor '.*' is at bytes \d+-\d+, the manifest says 9-"),
-        (lambda doc: doc["files"][0].update(size=doc["files"][0]["size"] + 1), r"bytes, the manifest says \d+ \(the file changed after the save\)"),
-        (lambda doc: doc.update(pattern="model-rank-{rank:>300000000}-part-{part}.safetensors"), r"uses \{rank:>300000000\}; placeholders take no format spec or conversion"),
-        (lambda doc: doc.update(pattern="model-rank-{rank:>1e20}-part-{part}.safetensors"), r"uses \{rank:>1e20\}; placeholders take no format spec or conversion"),
-        (lambda doc: doc.update(pattern="model-rank-{rank!r}-part-{part}.safetensors"), r"uses \{rank!r\}; placeholders take no format spec or conversion"),
-        (lambda doc: doc["files"][0].update(name="model-rank-" + "9" * 5000 + "-part-0.safetensors"), r"files\[0\] is 'model-rank-9{5000}-part-0.safetensors', but part 0 of 0 is"),
+        (
+            lambda doc: doc["files"][0].update(name="model-rank-1-part-0.safetensors"),
+            r"files\[0\] is 'model-rank-1-part-0.safetensors', but part 0 of 0 is",
+        ),
+        (
+            lambda doc: doc["files"][0]["tensors"][0].update(offset=9),
+            r"tensor '.*' is at bytes \d+-\d+, the manifest says 9-",
+        ),
+        (
+            lambda doc: doc["files"][0].update(size=doc["files"][0]["size"] + 1),
+            r"bytes, the manifest says \d+ \(the file changed after the save\)",
+        ),
+        (
+            lambda doc: doc.update(pattern="model-rank-{rank:>300000000}-part-{part}.safetensors"),
+            r"uses \{rank:>300000000\}; placeholders take no format spec or conversion",
+        ),
+        (
+            lambda doc: doc.update(pattern="model-rank-{rank:>1e20}-part-{part}.safetensors"),
+            r"uses \{rank:>1e20\}; placeholders take no format spec or conversion",
+        ),
+        (
+            lambda doc: doc.update(pattern="model-rank-{rank!r}-part-{part}.safetensors"),
+            r"uses \{rank!r\}; placeholders take no format spec or conversion",
+        ),
+        (
+            lambda doc: doc["files"][0].update(name="model-rank-" + "9" * 5000 + "-part-0.safetensors"),
+            r"files\[0\] is 'model-rank-9{5000}-part-0.safetensors', but part 0 of 0 is",
+        ),
     ],
 )
 def test_a_wrong_manifest_is_a_typed_error_before_any_tensor_read(tmp_path: Path, edit, message, no_leaks):
@@ -194,7 +249,11 @@ def test_a_corrupt_tensor_is_named_by_verify(tmp_path: Path, no_leaks):
     victim = manifest["files"][1]["tensors"][0]
     flip_byte(tmp_path / manifest["files"][1]["name"], victim["offset"] + victim["nbytes"] // 2)
     name, start, end = victim["name"], victim["offset"], victim["offset"] + victim["nbytes"]
-    with pytest.raises(weightstream.IntegrityError, match=rf"model-rank-1-part-1.safetensors: tensor '{name}' \(bytes {start}-{end}\) has xxh3-128 \w+, the manifest says {victim['checksum']}"):
+    with pytest.raises(
+        weightstream.IntegrityError,
+        match=rf"model-rank-1-part-1.safetensors: tensor '{name}' \(bytes {start}-{end}\) has xxh3-128 \w+, the "
+        rf"manifest says {victim['checksum']}",
+    ):
         weightstream.load_weights(tmp_path, format="sharded-state", rank=1, verify=True)
     loaded = weightstream.load_weights(tmp_path, format="sharded-state", rank=1)  # without verify: read as it is
     assert name in loaded
@@ -205,7 +264,10 @@ def test_a_corrupt_header_is_named_by_verify(tmp_path: Path, no_leaks):
     part = tmp_path / "model-rank-0-part-0.safetensors"
     raw = part.read_bytes()
     part.write_bytes(raw.replace(b'"format":"pt"', b'"format":"pu"', 1))  # still a valid header, same length
-    with pytest.raises(weightstream.IntegrityError, match=r"model-rank-0-part-0.safetensors: the header \(bytes 0-\d+\) has sha256 \w+, the manifest says"):
+    with pytest.raises(
+        weightstream.IntegrityError,
+        match=r"model-rank-0-part-0.safetensors: the header \(bytes 0-\d+\) has sha256 \w+, the manifest says",
+    ):
         weightstream.load_weights(tmp_path, format="sharded-state", verify=True)
 
 
@@ -236,19 +298,28 @@ def test_engine_directories_load_by_their_naming(tmp_path: Path, no_leaks):
         save_file({n: state[n] for n in names[:10]}, str(tmp_path / f"model-rank-{rank}-part-0.safetensors"))
         save_file({n: state[n] for n in names[10:]}, str(tmp_path / f"model-rank-{rank}-part-1.safetensors"))
     assert_same(weightstream.load_weights(tmp_path, format="sharded-state", rank=1, world_size=2), states[1])
-    with pytest.raises(weightstream.NotFound, match=r"no file of rank 2 named like 'model-rank-\{rank\}-part-\{part\}.safetensors'"):
+    with pytest.raises(
+        weightstream.NotFound, match=r"no file of rank 2 named like 'model-rank-\{rank\}-part-\{part\}.safetensors'"
+    ):
         weightstream.load_weights(tmp_path, format="sharded-state", rank=2)
-    with pytest.raises(weightstream.ManifestError, match=r"model-rank-1-part-0.safetensors belongs to rank 1, outside the world size 1"):
+    with pytest.raises(
+        weightstream.ManifestError, match=r"model-rank-1-part-0.safetensors belongs to rank 1, outside the world size 1"
+    ):
         weightstream.load_weights(tmp_path, format="sharded-state", rank=0, world_size=1)
     (tmp_path / "model-rank-1-part-0.safetensors").unlink()
-    with pytest.raises(weightstream.ManifestError, match=r"rank 1 has parts up to 1 but not part 0 \(model-rank-1-part-0.safetensors\)"):
+    with pytest.raises(
+        weightstream.ManifestError, match=r"rank 1 has parts up to 1 but not part 0 \(model-rank-1-part-0.safetensors\)"
+    ):
         weightstream.load_weights(tmp_path, format="sharded-state", rank=1)
 
 
 def test_an_unfinished_save_is_refused(tmp_path: Path, no_leaks):
     save_world(tmp_path, 2)
     (tmp_path / ".weightstream-saving-rank-1").write_text("1234-abcd")
-    with pytest.raises(weightstream.IncompleteSaveError, match=r"a save of rank 1 did not finish \(or is running\): .weightstream-saving-rank-1 is there"):
+    with pytest.raises(
+        weightstream.IncompleteSaveError,
+        match=r"a save of rank 1 did not finish \(or is running\): .weightstream-saving-rank-1 is there",
+    ):
         weightstream.load_weights(tmp_path, format="sharded-state", rank=1)
     weightstream.load_weights(tmp_path, format="sharded-state", rank=0)
 
@@ -261,8 +332,14 @@ def test_an_unfinished_save_is_refused(tmp_path: Path, no_leaks):
     [
         ({"rank": 2, "world_size": 2}, r"rank 2 is not in a world of size 2"),
         ({"rank": (0, 1), "world_size": 2}, r"rank must be a non-negative integer for pattern"),
-        ({"rank": 0, "world_size": 1, "pattern": "model-{part}.safetensors"}, r"must use either \{rank\} or both \{pp_rank\} and \{tp_rank\}"),
-        ({"rank": 0, "world_size": 1, "pattern": "sub/model-{rank}-{part}.safetensors"}, r"must name a .safetensors file in the directory itself"),
+        (
+            {"rank": 0, "world_size": 1, "pattern": "model-{part}.safetensors"},
+            r"must use either \{rank\} or both \{pp_rank\} and \{tp_rank\}",
+        ),
+        (
+            {"rank": 0, "world_size": 1, "pattern": "sub/model-{rank}-{part}.safetensors"},
+            r"must name a .safetensors file in the directory itself",
+        ),
         ({"rank": 0, "world_size": 1, "pattern": "model-{rank}-{part}-{layer}.safetensors"}, r"uses \{layer\}"),
         ({"rank": 0, "world_size": 1, "max_file_bytes": 0}, r"max_file_bytes must be a positive integer, got 0"),
         ({"rank": 0, "world_size": 1, "checksum": "md5"}, r"checksum must be one of xxh3-128, sha256, got 'md5'"),
@@ -278,15 +355,23 @@ def test_bad_save_arguments_write_nothing(tmp_path: Path, arguments, message):
 @pytest.mark.parametrize("option", [{"rank": 0}, {"verify": True}, {"shard_pattern": "x-{rank}-{part}.safetensors"}])
 def test_other_loaders_refuse_the_sharded_options(tmp_path: Path, loader, option, tiny_state, no_leaks):
     save_file(tiny_state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(weightstream.InvalidOptionError, match=rf"{next(iter(option))}: an option of format='sharded-state'; the {loader} loader does not use it"):
+    with pytest.raises(
+        weightstream.InvalidOptionError,
+        match=rf"{next(iter(option))}: an option of format='sharded-state'; the {loader} loader does not use it",
+    ):
         weightstream.iter_weights(tmp_path / "model.safetensors", format=loader, **option)
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
-    [({"rank": 3, "world_size": 2}, r"rank 3 is not in a world of size 2"),
-     ({"rank": 0, "world_size": (1, 2)}, r"rank 0 and world_size \(1, 2\) must both be integers or both \(pp, tp\) pairs"),
-     ({"rank": -1}, r"rank must be a non-negative integer or a \(pp, tp\) pair of them, got -1")],
+    [
+        ({"rank": 3, "world_size": 2}, r"rank 3 is not in a world of size 2"),
+        (
+            {"rank": 0, "world_size": (1, 2)},
+            r"rank 0 and world_size \(1, 2\) must both be integers or both \(pp, tp\) pairs",
+        ),
+        ({"rank": -1}, r"rank must be a non-negative integer or a \(pp, tp\) pair of them, got -1"),
+    ],
 )
 def test_bad_load_ranks_are_refused_before_any_read(tmp_path: Path, options, message, no_leaks):
     save_world(tmp_path, 2)
@@ -296,7 +381,9 @@ def test_bad_load_ranks_are_refused_before_any_read(tmp_path: Path, options, mes
 
 def test_without_a_rank_a_world_of_several_is_refused(tmp_path: Path, no_leaks):
     save_world(tmp_path, 2)
-    with pytest.raises(weightstream.InvalidOptionError, match=r"reads one rank's files \(ranks here: rank 0, rank 1\): pass rank="):
+    with pytest.raises(
+        weightstream.InvalidOptionError, match=r"reads one rank's files \(ranks here: rank 0, rank 1\): pass rank="
+    ):
         weightstream.load_weights(tmp_path, format="sharded-state")
 
 
@@ -314,7 +401,12 @@ def test_sigkill_at_random_points_leaves_the_old_state_or_nothing_loadable(tmp_p
     rng = random.Random(5)
     outcomes = {"old": 0, "refused": 0, "new": 0}
     for attempt in range(40):  # each kill lands before a save (old), mid-way (refused) or after one (new)
-        saver = subprocess.Popen([sys.executable, "-m", "tests.sharded_saver", str(tmp_path), "2", "3"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        saver = subprocess.Popen(
+            [sys.executable, "-m", "tests.sharded_saver", str(tmp_path), "2", "3"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert saver.stdout.readline() == "ready\n"
         time.sleep(rng.uniform(0, 0.12))  # a save takes about 40 ms here
         saver.send_signal(signal.SIGKILL)
@@ -327,8 +419,12 @@ def test_sigkill_at_random_points_leaves_the_old_state_or_nothing_loadable(tmp_p
             landed = "new" if torch.equal(loaded["lm_head.weight"], new["lm_head.weight"]) else "old"
             assert_same(loaded, new if landed == "new" else old)  # all of one state, never a mix
             outcomes[landed] += 1
-        weightstream.save_sharded_state(old, tmp_path, rank=0, world_size=1, max_file_bytes=256 << 10)  # back to the old state
-        assert not [name for name in listing(tmp_path) if name.startswith(".")], "a later save sweeps what a killed save left"
+        weightstream.save_sharded_state(
+            old, tmp_path, rank=0, world_size=1, max_file_bytes=256 << 10
+        )  # back to the old state
+        assert not [name for name in listing(tmp_path) if name.startswith(".")], (
+            "a later save sweeps what a killed save left"
+        )
         if attempt >= 7 and all(outcomes.values()):
             break
     assert all(outcomes.values()), f"the kills did not land at every stage: {outcomes}"
@@ -338,13 +434,24 @@ def test_sigkill_at_random_points_leaves_the_old_state_or_nothing_loadable(tmp_p
 @pytest.mark.slow
 def test_two_concurrent_saves_end_with_one_complete_winner(tmp_path: Path):
     for _ in range(3):
-        savers = [subprocess.Popen([sys.executable, "-m", "tests.sharded_saver", str(tmp_path), str(seed), "2"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-                  for seed in (3, 4)]
+        savers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.sharded_saver", str(tmp_path), str(seed), "2"],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for seed in (3, 4)
+        ]
         for saver in savers:
             output, _ = saver.communicate(timeout=120)
             assert saver.returncode == 0 and output.count("saved") == 2
         loaded = weightstream.load_weights(tmp_path, format="sharded-state", verify=True)
-        winner = saver_state(3) if torch.equal(loaded["lm_head.weight"], saver_state(3)["lm_head.weight"]) else saver_state(4)
+        winner = (
+            saver_state(3)
+            if torch.equal(loaded["lm_head.weight"], saver_state(3)["lm_head.weight"])
+            else saver_state(4)
+        )
         assert_same(loaded, winner)
         assert not [name for name in listing(tmp_path) if name.startswith(".")]
 
@@ -353,8 +460,14 @@ def small_filesystem_command(directory: Path) -> list[str] | None:
     """A command that runs the full-disk script on a 2 MiB tmpfs at ``directory``, in a private mount namespace."""
     if shutil.which("unshare") is None:
         return None
-    script = f"mount -t tmpfs -o size=2m tmpfs {directory} && exec {sys.executable} -m tests.sharded_full_disk {directory}"
-    prefix = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
+    script = (
+        f"mount -t tmpfs -o size=2m tmpfs {directory} && exec {sys.executable} -m tests.sharded_full_disk {directory}"
+    )
+    prefix = (
+        ["unshare", "--mount", "--propagation", "private"]
+        if os.geteuid() == 0
+        else ["unshare", "--user", "--map-root-user", "--mount"]
+    )
     return [*prefix, "sh", "-c", script]
 
 
@@ -363,11 +476,20 @@ def test_a_full_disk_is_a_typed_error_and_leaves_no_partial_files(tmp_path: Path
     directory = tmp_path / "small"
     directory.mkdir()
     command = small_filesystem_command(directory)
-    probe = subprocess.run(["unshare", "--mount", "true"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount", "true"],
-                           capture_output=True) if command else None
+    probe = (
+        subprocess.run(
+            ["unshare", "--mount", "true"]
+            if os.geteuid() == 0
+            else ["unshare", "--user", "--map-root-user", "--mount", "true"],
+            capture_output=True,
+            check=False,
+        )
+        if command
+        else None
+    )
     if command is None or probe.returncode != 0:
         pytest.skip(f"cannot mount a small filesystem here: {probe.stderr.decode().strip() if probe else 'no unshare'}")
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout)
     kind, message, is_os_error = outcome["error"]
@@ -391,8 +513,15 @@ def test_the_rank_comes_from_torch_distributed(tmp_path: Path):
         "dist.destroy_process_group()\n"
     )
     init = f"file://{tmp_path / 'rendezvous'}"
-    ranks = [subprocess.Popen([sys.executable, "-c", script, init, str(rank), str(tmp_path / "ckpt"), str(tmp_path / f"out-{rank}.pt")], cwd=ROOT,
-                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, init, str(rank), str(tmp_path / "ckpt"), str(tmp_path / f"out-{rank}.pt")],
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     for process in ranks:
         _, errors = process.communicate(timeout=120)
         assert process.returncode == 0, errors
@@ -414,7 +543,10 @@ def test_a_rank_of_a_state_in_an_object_store(scheme, tmp_path: Path, no_leaks):
 
 def test_a_window_is_refused(tmp_path: Path, no_leaks):
     save_world(tmp_path, 1)
-    with pytest.raises(weightstream.InvalidOptionError, match=r"max_inflight_bytes: an option of format='streaming'; the sharded-state loader does not use it"):
+    with pytest.raises(
+        weightstream.InvalidOptionError,
+        match=r"max_inflight_bytes: an option of format='streaming'; the sharded-state loader does not use it",
+    ):
         weightstream.iter_weights(tmp_path, format="sharded-state", max_inflight_bytes=64 << 20)
 
 
@@ -429,7 +561,12 @@ def test_a_rank_of_hundreds_of_digits_names_no_file_of_ours(tmp_path: Path, no_l
 def test_a_finished_save_leaves_only_the_checkpoint(tmp_path: Path, no_leaks):
     save_world(tmp_path, 2, max_file_bytes=64 << 10)
     names = listing(tmp_path)
-    assert all(name.startswith("model-rank-") and name.endswith(".safetensors") or name.startswith("weightstream-manifest-rank-") for name in names), names
+    assert all(
+        name.startswith("model-rank-")
+        and name.endswith(".safetensors")
+        or name.startswith("weightstream-manifest-rank-")
+        for name in names
+    ), names
     assert not [name for name in names if name.startswith(".") or name.endswith(".lock")]
 
 
@@ -437,13 +574,19 @@ def test_saving_into_a_file_or_an_unwritable_place_is_a_save_error(tmp_path: Pat
     state = split_for(1)[0]
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
-    with pytest.raises(weightstream.SaveError, match=r"cannot save into .*a-file: it is a file, not a directory") as caught:
+    with pytest.raises(
+        weightstream.SaveError, match=r"cannot save into .*a-file: it is a file, not a directory"
+    ) as caught:
         weightstream.save_sharded_state(state, a_file, rank=0, world_size=1)
     assert caught.value.errno == errno.ENOTDIR
-    with pytest.raises(weightstream.SaveError, match=r"saving rank 0 into .*a-file/below failed: Not a directory") as caught:
+    with pytest.raises(
+        weightstream.SaveError, match=r"saving rank 0 into .*a-file/below failed: Not a directory"
+    ) as caught:
         weightstream.save_sharded_state(state, a_file / "below", rank=0, world_size=1)
     assert caught.value.errno == errno.ENOTDIR
-    with pytest.raises(weightstream.SaveError, match=r"saving rank 0 into /sys/weightstream-test/state failed: Operation not permitted") as caught:
+    with pytest.raises(
+        weightstream.SaveError, match=r"saving rank 0 into /sys/weightstream-test/state failed: Operation not permitted"
+    ) as caught:
         weightstream.save_sharded_state(state, "/sys/weightstream-test/state", rank=0, world_size=1)
     assert caught.value.errno == errno.EPERM
 
@@ -453,8 +596,25 @@ def test_the_cli_reports_a_save_error_without_a_traceback(tmp_path: Path, tiny_s
 
     source = save_hf_sharded(tiny_state, tmp_path / "hf", shards=1)
     (tmp_path / "taken").write_text("x")
-    result = subprocess.run([sys.executable, "-m", "weightstream.cli", "convert", str(source), str(tmp_path / "taken"), "--to", "sharded-state", "--tp", "1"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightstream.cli",
+            "convert",
+            str(source),
+            str(tmp_path / "taken"),
+            "--to",
+            "sharded-state",
+            "--tp",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "weightstream: error: cannot save into" in result.stderr and "it is a file, not a directory" in result.stderr
 
@@ -468,7 +628,9 @@ def test_a_load_during_a_save_of_its_rank_never_mixes_two_saves(tmp_path: Path, 
 
     def keep_saving() -> None:
         while not stop.is_set():
-            weightstream.save_sharded_state(second if saves[0] % 2 == 0 else first, tmp_path, rank=0, world_size=1, max_file_bytes=16 << 10)
+            weightstream.save_sharded_state(
+                second if saves[0] % 2 == 0 else first, tmp_path, rank=0, world_size=1, max_file_bytes=16 << 10
+            )
             saves[0] += 1
 
     saver = threading.Thread(target=keep_saving)

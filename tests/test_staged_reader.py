@@ -115,7 +115,9 @@ def test_a_failed_allocation_frees_the_earlier_files_at_once(tmp_path: Path, no_
             allocated.append(weakref.ref(buffer))
             return buffer
 
-    with pytest.raises(weightstream.DeviceMemoryError, match=r"model-00003-of-00003.safetensors: cannot allocate") as raised:
+    with pytest.raises(
+        weightstream.DeviceMemoryError, match=r"model-00003-of-00003.safetensors: cannot allocate"
+    ) as raised:
         staged_load(uri, SmallDevice())
     assert raised.value.__traceback__ is not None, "the caller still holds the traceback"
     assert [ref() for ref in allocated] == [None, None], "earlier shards' buffers outlived the failed load"
@@ -153,7 +155,9 @@ def test_destination_memory_is_bounded_by_the_window(tmp_path: Path, max_infligh
     largest = max(tensor.numel() * tensor.element_size() for tensor in state.values())
     uri = save_hf_sharded(state, tmp_path / "ckpt", shards=2)
     staging = CountingStaging()
-    with weightstream.open(uri, format="streaming", max_inflight_bytes=max_inflight_bytes, chunk_bytes=256 << 10, threads=4) as checkpoint:
+    with weightstream.open(
+        uri, format="streaming", max_inflight_bytes=max_inflight_bytes, chunk_bytes=256 << 10, threads=4
+    ) as checkpoint:
         plan, opts = checkpoint.plan, checkpoint.options
     seen = set()
     for name, tensor in read_staged(store_for(plan.uri), plan, opts, staging, max_inflight_bytes):

@@ -17,7 +17,10 @@ from weightstream.sources.retry import RetryPolicy, Transient
 
 
 def client_error(status: int, code: str) -> botocore.exceptions.ClientError:
-    return botocore.exceptions.ClientError({"Error": {"Code": code, "Message": "said the server"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "HeadObject")
+    return botocore.exceptions.ClientError(
+        {"Error": {"Code": code, "Message": "said the server"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        "HeadObject",
+    )
 
 
 @pytest.mark.parametrize(
@@ -60,7 +63,14 @@ def test_gcs_failures_are_classified(error, kind, message):
     assert re.search(message, str(classified)), str(classified)
 
 
-@pytest.mark.parametrize("bug", [TypeError("S3FileSystem.exists() got an unexpected keyword argument 'timeout'"), AttributeError("x"), KeyError("y")])
+@pytest.mark.parametrize(
+    "bug",
+    [
+        TypeError("S3FileSystem.exists() got an unexpected keyword argument 'timeout'"),
+        AttributeError("x"),
+        KeyError("y"),
+    ],
+)
 def test_programming_errors_are_not_transient(bug):
     assert s3.classify("s3://b/k", bug) is bug
     assert gcs.classify("gs://b/k", bug, 30.0) is bug
@@ -107,5 +117,7 @@ def test_an_unknown_host_is_not_retried(no_leaks):
 
 
 def test_unknown_storage_options_for_s3_are_refused():
-    with pytest.raises(weightstream.InvalidOptionError, match=r"storage_options for s3:// take endpoint_url, key, .*; got endpoint"):
+    with pytest.raises(
+        weightstream.InvalidOptionError, match=r"storage_options for s3:// take endpoint_url, key, .*; got endpoint"
+    ):
         s3.S3Store({"endpoint": "http://x"})

@@ -31,9 +31,22 @@ def generate(case: dict) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     try:
-        parallel = {"tensor_parallel_size": case["tp"], "distributed_executor_backend": "mp"} if case.get("tp", 1) > 1 else {}
-        llm = LLM(model=case["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0,
-                  kv_cache_memory_bytes=64 << 20, load_format=case["load_format"], model_loader_extra_config=case.get("extra") or {}, **parallel)
+        parallel = (
+            {"tensor_parallel_size": case["tp"], "distributed_executor_backend": "mp"} if case.get("tp", 1) > 1 else {}
+        )
+        llm = LLM(
+            model=case["model"],
+            skip_tokenizer_init=True,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=128,
+            max_num_seqs=4,
+            seed=0,
+            kv_cache_memory_bytes=64 << 20,
+            load_format=case["load_format"],
+            model_loader_extra_config=case.get("extra") or {},
+            **parallel,
+        )
     except Exception as error:  # noqa: BLE001 - the test asserts on it
         root = error
         while root.__cause__ is not None:

@@ -45,7 +45,10 @@ from weightstream.registry import available_loaders, register_loader
 
 __version__ = "0.1.0"
 
-_IMPORTED_ON_USE = {"DistributedStats": "weightstream.readers.distributed", "save_sharded_state": "weightstream.save.saver"}
+_IMPORTED_ON_USE = {
+    "DistributedStats": "weightstream.readers.distributed",
+    "save_sharded_state": "weightstream.save.saver",
+}
 """Names whose modules ``import weightstream`` leaves for their first use (they cost a third of its import time)."""
 
 
@@ -59,6 +62,7 @@ def __getattr__(name: str) -> object:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_IMPORTED_ON_USE))
+
 
 __all__ = [
     "BenchmarkError",
@@ -88,8 +92,8 @@ __all__ = [
     "SourceChangedError",
     "SourceError",
     "SourceTimeout",
-    "TensorSlice",
     "TensorNotFound",
+    "TensorSlice",
     "TruncatedFileError",
     "UnknownFormatError",
     "UnsupportedInputError",

@@ -14,7 +14,9 @@ from weightstream.handle import AUTO, Checkpoint, open
 Item = TypeVar("Item")
 
 
-def iter_weights(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    uri: str | os.PathLike[str], format: str = AUTO, **options: object
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` pairs as each tensor's bytes land, in completion order.
 
     Options are checked and headers read when this is called (so bad options and
@@ -67,7 +69,9 @@ def iter_layers(uri: str | os.PathLike[str], **options: object) -> Iterator[tupl
     return _owned(checkpoint, lambda: checkpoint._iter_layers(owned=True))
 
 
-def load_weights(uri: str | os.PathLike[str], format: str = AUTO, device: str = "cpu", **options: object) -> dict[str, torch.Tensor]:
+def load_weights(
+    uri: str | os.PathLike[str], format: str = AUTO, device: str = "cpu", **options: object
+) -> dict[str, torch.Tensor]:
     """Load every (selected) tensor: all of them, or an error and none.
 
     The dict is ordered as the tensors are stored (file by file, by offset); with a ``layer_hook`` it

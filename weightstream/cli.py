@@ -1,9 +1,11 @@
 """The ``weightstream`` command: a thin shell over the Python API.
 
-    weightstream inspect URI [--json]
-    weightstream load URI [--json] [--format F] [--device cuda] [--pin-memory] [--threads N] [--chunk-mib M] [--prefetch-layers N] [--filter NAME ...]
-    weightstream bench [URI] [--device cuda] [--size 1GiB] [--layers N] [--rounds 3] [--json] [--plot bench.png]
-    weightstream convert SRC DST --to sharded-state --tp N [--engine vllm|sglang] [--rule PATTERN=DIM ...] [--max-file-mib M] [--json]
+weightstream inspect URI [--json]
+weightstream load URI [--json] [--format F] [--device cuda] [--pin-memory] [--threads N] [--chunk-mib M]
+                      [--prefetch-layers N] [--filter NAME ...]
+weightstream bench [URI] [--device cuda] [--size 1GiB] [--layers N] [--rounds 3] [--json] [--plot bench.png]
+weightstream convert SRC DST --to sharded-state --tp N [--engine vllm|sglang] [--rule PATTERN=DIM ...]
+                             [--max-file-mib M] [--json]
 """
 
 from __future__ import annotations
@@ -27,8 +29,19 @@ from weightstream.progress import ProgressBar
 
 UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"})
 """Unicode categories the human output of ``inspect`` escapes (JSON output stays exact)."""
-SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-              "g": 10**9, "gb": 10**9, "gib": 2**30}
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,7 +75,9 @@ def printable(text: str) -> str:
         >>> printable("model.\\x1b[2Jlayers")
         'model.\\\\x1b[2Jlayers'
     """
-    return "".join(character if unicodedata.category(character) not in UNPRINTABLE else _escape(character) for character in text)
+    return "".join(
+        character if unicodedata.category(character) not in UNPRINTABLE else _escape(character) for character in text
+    )
 
 
 def _escape(character: str) -> str:
@@ -74,13 +89,30 @@ def _inspect(args: argparse.Namespace) -> int:
     with weightstream.open(args.uri, args.format) as checkpoint:
         plan = checkpoint.plan
     if args.json:
-        print(json.dumps({
-            "uri": args.uri,
-            "total_bytes": plan.total_bytes,
-            "files": [{"path": f.path, "size": f.size, "data_offset": f.data_offset, "metadata": dict(f.metadata)} for f in plan.files],
-            "tensors": [{"name": t.name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "nbytes": t.nbytes,
-                         "file": t.file, "offset": t.offset} for t in plan.tensors],
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "uri": args.uri,
+                    "total_bytes": plan.total_bytes,
+                    "files": [
+                        {"path": f.path, "size": f.size, "data_offset": f.data_offset, "metadata": dict(f.metadata)}
+                        for f in plan.files
+                    ],
+                    "tensors": [
+                        {
+                            "name": t.name,
+                            "dtype": DTYPE_NAMES[t.dtype],
+                            "shape": list(t.shape),
+                            "nbytes": t.nbytes,
+                            "file": t.file,
+                            "offset": t.offset,
+                        }
+                        for t in plan.tensors
+                    ],
+                },
+                indent=2,
+            )
+        )
         return 0
     for spec in plan.files:
         count = sum(1 for t in plan.tensors if t.file == spec.path)
@@ -90,7 +122,7 @@ def _inspect(args: argparse.Namespace) -> int:
     width = max((len(name) for name in names), default=4)
     print(f"{'name':{width}s}  {'dtype':11s} {'shape':22s} {'bytes':>12s}")
     for name, t in zip(names, plan.tensors, strict=True):
-        print(f"{name:{width}s}  {DTYPE_NAMES[t.dtype]:11s} {str(list(t.shape)):22s} {t.nbytes:12d}")
+        print(f"{name:{width}s}  {DTYPE_NAMES[t.dtype]:11s} {list(t.shape)!s:22s} {t.nbytes:12d}")
     print(f"{len(plan.tensors)} tensors, {plan.total_bytes} bytes ({plan.total_bytes / 2**30:.3f} GiB)")
     return 0
 
@@ -119,10 +151,22 @@ def _load(args: argparse.Namespace) -> int:
             count, nbytes = count + 1, nbytes + tensor.numel() * tensor.element_size()
     seconds = time.perf_counter() - start
     loader = checkpoint.format
-    result = {"uri": args.uri, "format": loader, "device": checkpoint.options.device, "tensors": count, "bytes": nbytes, "seconds": seconds,
-              "gbps": nbytes / seconds / 1e9, "first_tensor_seconds": first}
-    return _report(args.json, result, f"loaded {count} tensors, {nbytes / 2**30:.3f} GiB in {seconds:.3f} s: {result['gbps']:.2f} GB/s "
-                                      f"(first tensor after {1000 * (first or 0):.0f} ms) with the {loader} loader")
+    result = {
+        "uri": args.uri,
+        "format": loader,
+        "device": checkpoint.options.device,
+        "tensors": count,
+        "bytes": nbytes,
+        "seconds": seconds,
+        "gbps": nbytes / seconds / 1e9,
+        "first_tensor_seconds": first,
+    }
+    return _report(
+        args.json,
+        result,
+        f"loaded {count} tensors, {nbytes / 2**30:.3f} GiB in {seconds:.3f} s: {result['gbps']:.2f} GB/s "
+        f"(first tensor after {1000 * (first or 0):.0f} ms) with the {loader} loader",
+    )
 
 
 def _report(as_json: bool, result: dict, text: str) -> int:
@@ -135,12 +179,20 @@ def _bench(args: argparse.Namespace) -> int:
     check_device(args.device)
     uri = args.uri
     if uri is None:
-        print(f"building (or reusing) a demo Llama checkpoint of about {args.size / 2**30:.2f} GiB ...", file=sys.stderr)
+        print(
+            f"building (or reusing) a demo Llama checkpoint of about {args.size / 2**30:.2f} GiB ...", file=sys.stderr
+        )
         uri = demo_checkpoint(args.size, shards=args.shards, cache_dir=args.cache_dir, layers=args.layers)
     methods = args.methods.split(",") if args.methods else None
     caches = args.cache.split(",")
-    report = run_bench(uri, methods=methods, caches=caches, rounds=args.rounds, device=args.device,
-                       on_run=None if args.json else lambda line: print(line, file=sys.stderr))
+    report = run_bench(
+        uri,
+        methods=methods,
+        caches=caches,
+        rounds=args.rounds,
+        device=args.device,
+        on_run=None if args.json else lambda line: print(line, file=sys.stderr),
+    )
     if args.plot:
         plot(report.to_json(), args.plot)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_table(report))
@@ -162,22 +214,46 @@ def _convert(args: argparse.Namespace) -> int:
     bar = ProgressBar(label="convert") if sys.stderr.isatty() and not args.json else None
     start = time.perf_counter()
     # What the ranks write together: a split tensor once in all, a replicated one once per rank.
-    total = sum(spec.nbytes * (1 if split_dimension(spec.name, spec.shape, args.tp, rules) is not None else args.tp) for spec in plan.tensors)
+    total = sum(
+        spec.nbytes * (1 if split_dimension(spec.name, spec.shape, args.tp, rules) is not None else args.tp)
+        for spec in plan.tensors
+    )
     with contextlib.nullcontext() if bar is None else bar.expecting(total):
-        result = convert_to_sharded_state(args.src, args.dst, tp=args.tp, rules=rules, max_file_bytes=args.max_file_mib << 20,
-                                          progress=None if bar is None else bar.advance, engine=args.engine)
+        result = convert_to_sharded_state(
+            args.src,
+            args.dst,
+            tp=args.tp,
+            rules=rules,
+            max_file_bytes=args.max_file_mib << 20,
+            progress=None if bar is None else bar.advance,
+            engine=args.engine,
+        )
     seconds = time.perf_counter() - start
     replicated = sorted(name for name, dimension in result["split"].items() if dimension is None)
-    summary = {"src": args.src, "dst": args.dst, "tp": args.tp, "engine": args.engine, "files": result["files"], "seconds": seconds, "replicated": replicated}
-    return _report(args.json, summary, f"wrote {len(result['files'])} files for {args.tp} ranks into {args.dst} in {seconds:.2f} s "
-                                       f"({len(result['split']) - len(replicated)} tensors split, {len(replicated)} replicated)")
+    summary = {
+        "src": args.src,
+        "dst": args.dst,
+        "tp": args.tp,
+        "engine": args.engine,
+        "files": result["files"],
+        "seconds": seconds,
+        "replicated": replicated,
+    }
+    return _report(
+        args.json,
+        summary,
+        f"wrote {len(result['files'])} files for {args.tp} ranks into {args.dst} in {seconds:.2f} s "
+        f"({len(result['split']) - len(replicated)} tensors split, {len(replicated)} replicated)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightstream", description="Load LLM weights at the speed of the hardware.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    inspect = commands.add_parser("inspect", help="list tensors, dtypes, shapes, bytes and metadata (reads headers only)")
+    inspect = commands.add_parser(
+        "inspect", help="list tensors, dtypes, shapes, bytes and metadata (reads headers only)"
+    )
     inspect.add_argument("uri")
     inspect.add_argument("--format", default="auto")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
@@ -187,8 +263,12 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("uri")
     load.add_argument("--format", default="auto")
     load.add_argument("--threads", type=int, default=None)
-    load.add_argument("--chunk-mib", type=int, default=None, help="largest read request in MiB (default 8 local, 64 remote)")
-    load.add_argument("--max-inflight-mib", type=int, default=None, help="streaming loader: memory window in MiB (default 1024)")
+    load.add_argument(
+        "--chunk-mib", type=int, default=None, help="largest read request in MiB (default 8 local, 64 remote)"
+    )
+    load.add_argument(
+        "--max-inflight-mib", type=int, default=None, help="streaming loader: memory window in MiB (default 1024)"
+    )
     load.add_argument("--prefetch-layers", type=int, default=None, help="layered loader: layers read ahead (default 1)")
     load.add_argument("--no-huge-pages", action="store_true", help="do not ask for transparent huge pages")
     load.add_argument("--filter", nargs="+", metavar="NAME", help="load only these tensors")
@@ -198,33 +278,58 @@ def _parser() -> argparse.ArgumentParser:
     load.set_defaults(run=_load)
 
     bench = commands.add_parser("bench", help="compare weightstream with its peers and the machine's limits")
-    bench.add_argument("uri", nargs="?", help="a checkpoint (a path, s3://, gs://, http(s)://); default: a demo Llama checkpoint built in the cache")
+    bench.add_argument(
+        "uri",
+        nargs="?",
+        help="a checkpoint (a path, s3://, gs://, http(s)://); default: a demo Llama checkpoint built in the cache",
+    )
     bench.add_argument("--size", type=parse_size, default=GIB, help="demo checkpoint size (default 1GiB)")
     bench.add_argument("--shards", type=int, default=2, help="demo checkpoint shards (default 2)")
-    bench.add_argument("--layers", type=int, default=None, help="demo checkpoint layers, made as wide as --size needs (default: 2048 wide)")
+    bench.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="demo checkpoint layers, made as wide as --size needs (default: 2048 wide)",
+    )
     bench.add_argument("--cache-dir", default=None, help="where demo checkpoints live (default ~/.cache/weightstream)")
     bench.add_argument("--rounds", type=int, default=3)
-    bench.add_argument("--device", choices=list(METHODS_BY_DEVICE), default="cpu", help="where tensors land (default cpu)")
+    bench.add_argument(
+        "--device", choices=list(METHODS_BY_DEVICE), default="cpu", help="where tensors land (default cpu)"
+    )
     bench.add_argument(
         "--methods",
         default=None,
-        help="comma-separated; cpu: " + ", ".join(METHODS_BY_DEVICE["cpu"]) + "; cuda: " + ", ".join(METHODS_BY_DEVICE["cuda"]),
+        help="comma-separated; cpu: "
+        + ", ".join(METHODS_BY_DEVICE["cpu"])
+        + "; cuda: "
+        + ", ".join(METHODS_BY_DEVICE["cuda"]),
     )
     bench.add_argument("--cache", default=",".join(CACHES), help="page-cache states: cold,warm")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", metavar="PNG", default=None, help="also write a bar chart")
     bench.set_defaults(run=_bench)
 
-    convert = commands.add_parser("convert", help="convert a Hugging Face checkpoint into a tensor-parallel sharded state")
+    convert = commands.add_parser(
+        "convert", help="convert a Hugging Face checkpoint into a tensor-parallel sharded state"
+    )
     convert.add_argument("src")
     convert.add_argument("dst")
     convert.add_argument("--to", required=True, help="the target format: sharded-state")
     convert.add_argument("--tp", type=int, required=True, help="tensor-parallel ranks")
-    convert.add_argument("--rule", action="append", metavar="PATTERN=DIM", help="a split rule tried before the Llama ones (DIM or 'replicate'); repeatable")
+    convert.add_argument(
+        "--rule",
+        action="append",
+        metavar="PATTERN=DIM",
+        help="a split rule tried before the Llama ones (DIM or 'replicate'); repeatable",
+    )
     convert.add_argument("--max-file-mib", type=int, default=5 << 10, help="largest part file in MiB (default 5120)")
-    convert.add_argument("--engine", choices=("vllm", "sglang"), default=None,
-                         help="save in the engine's naming (fused qkv_proj/gate_up_proj, padded vocabulary), for its --load-format "
-                              "sharded_state or weightstream-sharded-state; default: the checkpoint's names")
+    convert.add_argument(
+        "--engine",
+        choices=("vllm", "sglang"),
+        default=None,
+        help="save in the engine's naming (fused qkv_proj/gate_up_proj, padded vocabulary), for its --load-format "
+        "sharded_state or weightstream-sharded-state; default: the checkpoint's names",
+    )
     convert.add_argument("--json", action="store_true")
     convert.set_defaults(run=_convert)
     return parser

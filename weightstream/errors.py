@@ -35,7 +35,8 @@ class UnsupportedInputError(WeightstreamError, ValueError):
 
 
 class MissingDependencyError(UnsupportedInputError, ImportError):
-    """A library a source needs (s3's botocore, gs's gcsfs and fsspec) is missing or older than weightstream supports."""
+    """A library a source needs (s3's botocore, gs's gcsfs and fsspec) is missing or older than weightstream
+    supports."""
 
 
 class FormatError(WeightstreamError, ValueError):

@@ -191,14 +191,17 @@ class Checkpoint:
             for spec in self._plan.files:
                 if spec.path == path:
                     return dict(spec.metadata)
-            raise TensorNotFound(f"{self.uri}: {path!r} is not one of its files ({', '.join(s.path for s in self._plan.files[:3])}, ...)")
+            raise TensorNotFound(
+                f"{self.uri}: {path!r} is not one of its files ({', '.join(s.path for s in self._plan.files[:3])}, ...)"
+            )
         merged: dict[str, str] = {}
         origin: dict[str, str] = {}
         for spec in self._plan.files:
             for key, value in spec.metadata.items():
                 if key in merged and merged[key] != value:
                     raise HeaderError(
-                        f"{self.uri}: metadata {key!r} is {merged[key]!r} in {origin[key]} and {value!r} in {spec.path}; "
+                        f"{self.uri}: metadata {key!r} is {merged[key]!r} in {origin[key]} and {value!r} in "
+                        f"{spec.path}; "
                         f"ask for one file's with metadata(path=...)"
                     )
                 merged[key], origin[key] = value, origin.get(key, spec.path)
@@ -219,7 +222,9 @@ class Checkpoint:
         with contextlib.closing(self._track(self._loader.iter_weights(self._store, part, opts))) as reads:
             found.update(reads)
         if name not in found:
-            raise TensorNotFound(f"{self.uri}: the layer_hook did not return tensor {name!r} (it returned {sorted(found)[:4]})")
+            raise TensorNotFound(
+                f"{self.uri}: the layer_hook did not return tensor {name!r} (it returned {sorted(found)[:4]})"
+            )
         return found[name]
 
     def get_slice(self, name: str) -> TensorSlice:
@@ -229,11 +234,14 @@ class Checkpoint:
             >>> rows = checkpoint.get_slice("model.embed_tokens.weight")[1000:2000]  # doctest: +SKIP
         """
         if getattr(self._opts.loader_options, "verify", False):
-            raise InvalidOptionError(f"verify=True checks whole tensors against their checksums; {name!r}[...] reads part of one")
+            raise InvalidOptionError(
+                f"verify=True checks whole tensors against their checksums; {name!r}[...] reads part of one"
+            )
         return TensorSlice(self, self._spec(name))
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, tensor)`` for every selected tensor, as the loader reads them (see :func:`weightstream.iter_weights`)."""
+        """Yield ``(name, tensor)`` for every selected tensor, as the loader reads them (see
+        :func:`weightstream.iter_weights`)."""
         return self._iter_weights(owned=False)
 
     def _iter_weights(self, owned: bool) -> _Reads[tuple[str, torch.Tensor]]:
@@ -241,7 +249,8 @@ class Checkpoint:
         return self._track(self._loader.iter_weights(self._store, self._plan, self._opts), owned=owned)
 
     def iter_layers(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-        """Yield ``(layer key, {name: tensor})`` layer by layer through reused buffers (see :func:`weightstream.iter_layers`).
+        """Yield ``(layer key, {name: tensor})`` layer by layer through reused buffers (see
+        :func:`weightstream.iter_layers`).
 
         A checkpoint opened with another format reads its plan through the ``layered`` loader.
 
@@ -253,11 +262,14 @@ class Checkpoint:
     def _iter_layers(self, owned: bool) -> _Reads[tuple[str, dict[str, torch.Tensor]]]:
         self._check_open()
         if hasattr(self._loader, "iter_layers"):
-            return self._track(self._loader.iter_layers(self._store, self._plan, self._opts), count=_layer_items, owned=owned)
+            return self._track(
+                self._loader.iter_layers(self._store, self._plan, self._opts), count=_layer_items, owned=owned
+            )
         set_options = changed_fields(self._opts.loader_options) if self._opts.loader_options is not None else []
         if set_options:
             raise InvalidOptionError(
-                f"{set_options[0]}: an option of format={self.format!r}; iter_layers reads through the layered loader, which does not use it"
+                f"{set_options[0]}: an option of format={self.format!r}; iter_layers reads through the layered loader, "
+                "which does not use it"
             )
         layered = get_loader("layered")
         opts = bind_options(layered, self._opts, {})
@@ -265,7 +277,8 @@ class Checkpoint:
         return self._track(layered.iter_layers(self._store, self._plan, opts), count=_layer_items, owned=owned)  # type: ignore[attr-defined]
 
     def load(self) -> dict[str, torch.Tensor]:
-        """Every selected tensor, in stored order: all of them, or an error and none (see :func:`weightstream.load_weights`)."""
+        """Every selected tensor, in stored order: all of them, or an error and none (see
+        :func:`weightstream.load_weights`)."""
         self._check_open()
         opts = self._kept_options()
         if torch.device(opts.device).type == "cuda":  # the readers hold a window of it; the dict keeps all of it
@@ -312,9 +325,15 @@ class Checkpoint:
         self._check_open()
         spec = self._by_name.get(name)
         if spec is None:
-            close = difflib.get_close_matches(name, self._by_name, n=1) if isinstance(name, str) and len(self._by_name) < 100_000 else []
+            close = (
+                difflib.get_close_matches(name, self._by_name, n=1)
+                if isinstance(name, str) and len(self._by_name) < 100_000
+                else []
+            )
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TensorNotFound(f"{self.uri}: no tensor {name!r} among its {len(self._by_name)} selected tensors{hint}")
+            raise TensorNotFound(
+                f"{self.uri}: no tensor {name!r} among its {len(self._by_name)} selected tensors{hint}"
+            )
         return spec
 
     def _check_open(self) -> None:
@@ -386,7 +405,9 @@ class TensorSlice:
         planned = plan_slice(spec.shape, spec.dtype.itemsize, index, run_cost_bytes=cost)
         started = time.perf_counter()
         if planned.runs:
-            values = _read_runs(checkpoint, spec, planned.runs).view(spec.dtype).reshape(planned.read_shape)[planned.index]
+            values = (
+                _read_runs(checkpoint, spec, planned.runs).view(spec.dtype).reshape(planned.read_shape)[planned.index]
+            )
             values = values.clone() if values.untyped_storage().nbytes() > values.nbytes else values.contiguous()
         else:
             values = torch.empty(planned.shape, dtype=spec.dtype)
@@ -457,12 +478,21 @@ def _read_runs(checkpoint: Checkpoint, spec: TensorSpec, runs: tuple[tuple[int, 
 
     file = next(entry for entry in checkpoint.plan.files if entry.path == spec.file)
     pieces = tuple(
-        TensorSpec(f"{spec.name}[bytes {offset}:{offset + nbytes}]", torch.uint8, (nbytes,), spec.file, spec.offset + offset, nbytes)
+        TensorSpec(
+            f"{spec.name}[bytes {offset}:{offset + nbytes}]",
+            torch.uint8,
+            (nbytes,),
+            spec.file,
+            spec.offset + offset,
+            nbytes,
+        )
         for offset, nbytes in runs
     )
     host = dataclasses.replace(checkpoint.options, device="cpu", pin_memory=False, zero_copy=False, gds=False)
     read: dict[str, torch.Tensor] = {}
-    with contextlib.closing(read_tensors(checkpoint._store, LoadPlan(checkpoint.uri, (file,), pieces), host)) as tensors:
+    with contextlib.closing(
+        read_tensors(checkpoint._store, LoadPlan(checkpoint.uri, (file,), pieces), host)
+    ) as tensors:
         read.update(tensors)
     ordered = [read[piece.name] for piece in pieces]
     return ordered[0] if len(ordered) == 1 else torch.cat(ordered)

@@ -6,14 +6,14 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Collection, Mapping
-from typing import Literal, TypeVar, Union
+from typing import Literal, TypeVar
 
 import torch
 
 from weightstream.errors import InvalidOptionError, OptionError
 from weightstream.sources.retry import RetryPolicy
 
-TensorFilter = Union[Collection[str], Callable[[str], bool]]
+TensorFilter = Collection[str] | Callable[[str], bool]
 """Names to load: a collection of tensor names, or a predicate on the name."""
 
 ProgressCallback = Callable[[int], None]
@@ -39,6 +39,7 @@ MAX_DEFAULT_THREADS = 64
 (``benchmarks/README.md``, read loop): with 5 ms per read, 64 threads gave 3,900 reads/s, 128 gave
 4,390 and 384 fewer (3,840); with 1 ms, 64 was the best (5,590/s) and more were slower. 64 requests in
 flight are 512 MiB locally and 4 GiB remotely, deeper than any NVMe queue or NIC needs."""
+
 
 @dataclasses.dataclass(frozen=True)
 class LoadOptions:
@@ -138,8 +139,12 @@ class LoadOptions:
         _check_device(self.device)
         if self.threads is not None and (not is_int(self.threads) or self.threads < 1):
             raise InvalidOptionError(f"threads must be a positive integer or None, got {self.threads!r}")
-        if self.chunk_bytes is not None and (not is_int(self.chunk_bytes) or self.chunk_bytes < 4096 or self.chunk_bytes % 4096):
-            raise InvalidOptionError(f"chunk_bytes must be a positive multiple of 4096 or None, got {self.chunk_bytes!r}")
+        if self.chunk_bytes is not None and (
+            not is_int(self.chunk_bytes) or self.chunk_bytes < 4096 or self.chunk_bytes % 4096
+        ):
+            raise InvalidOptionError(
+                f"chunk_bytes must be a positive multiple of 4096 or None, got {self.chunk_bytes!r}"
+            )
         for name in ("staging_slots", "staging_slot_bytes"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise InvalidOptionError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -162,7 +167,9 @@ class LoadOptions:
         if self.gds is True and on_cpu:
             raise InvalidOptionError(f"gds=True reads into GPU memory; device {self.device!r} is not a GPU")
         if self.zero_copy and (not on_cpu or self.pin_memory is True):
-            raise InvalidOptionError("zero_copy returns views of a file mapping: it cannot land on a GPU or in pinned memory")
+            raise InvalidOptionError(
+                "zero_copy returns views of a file mapping: it cannot land on a GPU or in pinned memory"
+            )
         if not is_int(self.retries) or self.retries < 0:
             raise InvalidOptionError(f"retries must be a non-negative integer, got {self.retries!r}")
         for name in ("request_timeout_s", "deadline_s"):
@@ -232,11 +239,14 @@ class LoadOptions:
         if self.loader_options is None:
             return kind()
         if not isinstance(self.loader_options, kind):
-            raise TypeError(f"options of {kind.__qualname__} asked for, but these hold {type(self.loader_options).__qualname__}")
+            raise TypeError(
+                f"options of {kind.__qualname__} asked for, but these hold {type(self.loader_options).__qualname__}"
+            )
         return self.loader_options
 
     def refuse(self, reasons: Mapping[str, str]) -> None:
-        """Raise ``InvalidOptionError`` for the first option of ``reasons`` that is set (not its default), with its reason.
+        """Raise ``InvalidOptionError`` for the first option of ``reasons`` that is set (not its default), with its
+        reason.
 
         Example:
             >>> LoadOptions(zero_copy=True).refuse({"zero_copy": "this loader reads into memory of its own"})
@@ -313,7 +323,9 @@ def _normalise_filter(value: object) -> TensorFilter:
     if callable(value):
         return value
     if isinstance(value, (str, bytes)):
-        raise OptionError(f"filter must be a collection of names or a predicate, not a single {type(value).__name__} {value!r}")
+        raise OptionError(
+            f"filter must be a collection of names or a predicate, not a single {type(value).__name__} {value!r}"
+        )
     if not isinstance(value, Collection):
         raise OptionError(f"filter must be a collection of names or a predicate, got {type(value).__name__}")
     names = frozenset(value)

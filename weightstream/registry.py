@@ -14,7 +14,7 @@ import importlib.metadata
 import logging
 import types
 from collections.abc import Callable, Mapping
-from typing import TypeVar, Union, overload
+from typing import TypeVar, overload
 
 from weightstream.errors import InvalidOptionError, LoaderRegistrationError, OptionError, UnknownFormatError
 from weightstream.loaders.base import Loader
@@ -33,7 +33,7 @@ BUILTIN_LOADERS: dict[str, str] = {
 }
 """Built-in loaders by dotted path (``module:Class``)."""
 
-_registry: dict[str, Union[str, type]] = dict(BUILTIN_LOADERS)
+_registry: dict[str, str | type] = dict(BUILTIN_LOADERS)
 loaders = types.MappingProxyType(_registry)
 """Read-only view: name -> loader class or the dotted path it will be imported from."""
 
@@ -43,19 +43,22 @@ LoaderClass = TypeVar("LoaderClass", bound=type)
 
 
 @overload
-def register_loader(name: str, loader: None = None, *, clobber: bool = False) -> Callable[[LoaderClass], LoaderClass]: ...
+def register_loader(
+    name: str, loader: None = None, *, clobber: bool = False
+) -> Callable[[LoaderClass], LoaderClass]: ...
 @overload
 def register_loader(name: str, loader: str, *, clobber: bool = False) -> str: ...
 @overload
 def register_loader(name: str, loader: LoaderClass, *, clobber: bool = False) -> LoaderClass: ...
 def register_loader(
-    name: str, loader: Union[str, type, None] = None, *, clobber: bool = False
-) -> Union[str, type, Callable[[LoaderClass], LoaderClass]]:
+    name: str, loader: str | type | None = None, *, clobber: bool = False
+) -> str | type | Callable[[LoaderClass], LoaderClass]:
     """Register ``loader`` (a class or a ``"module:Class"`` path) under ``name``.
 
     Usable as a decorator. A loader with options of its own declares them as a dataclass in its
-    ``options`` class attribute: :func:`bind_options` validates them (by constructing it) before any I/O. Registering a different loader under a taken name raises
-    unless ``clobber=True``; registering the same one again is a no-op.
+    ``options`` class attribute: :func:`bind_options` validates them (by constructing it) before any I/O.
+    Registering a different loader under a taken name raises unless ``clobber=True``; registering the same one again
+    is a no-op.
 
     Raises:
         LoaderRegistrationError: the name is taken, empty, or ``loader`` is neither a class nor a dotted path.
@@ -69,6 +72,7 @@ def register_loader(
         ...     def iter_weights(self, store, plan, opts): ...
     """
     if loader is None:
+
         def decorate(cls: LoaderClass) -> LoaderClass:
             register_loader(name, cls, clobber=clobber)
             return cls
@@ -77,14 +81,17 @@ def register_loader(
     if not isinstance(name, str) or not name:
         raise LoaderRegistrationError(f"loader name must be a non-empty string, got {name!r}")
     if not isinstance(loader, (str, type)):
-        raise LoaderRegistrationError(f"loader {name!r} must be a class or a 'module:Class' string, got {type(loader).__name__}")
+        raise LoaderRegistrationError(
+            f"loader {name!r} must be a class or a 'module:Class' string, got {type(loader).__name__}"
+        )
     if isinstance(loader, str) and loader.count(":") != 1:
         raise LoaderRegistrationError(f"loader {name!r}: dotted path {loader!r} must look like 'package.module:Class'")
     _load_entry_points()
     current = _registry.get(name)
     if current is not None and not clobber and not _same(current, loader):
         raise LoaderRegistrationError(
-            f"format {name!r} is already registered to {_describe(current)}; pass clobber=True to replace it with {_describe(loader)}"
+            f"format {name!r} is already registered to {_describe(current)}; pass clobber=True to replace it with "
+            f"{_describe(loader)}"
         )
     _registry[name] = loader
     return loader
@@ -111,7 +118,9 @@ def get_loader(name: str) -> Loader:
     cls = loader_class(name)
     instance = cls()
     if not isinstance(instance, Loader):
-        raise LoaderRegistrationError(f"format {name!r}: {_describe(cls)} lacks name, check(), plan() or iter_weights()")
+        raise LoaderRegistrationError(
+            f"format {name!r}: {_describe(cls)} lacks name, check(), plan() or iter_weights()"
+        )
     options = options_class(cls)
     if options is not None and not dataclasses.is_dataclass(options):
         raise LoaderRegistrationError(f"format {name!r}: {_describe(cls)}.options must be a dataclass, got {options!r}")
@@ -169,7 +178,10 @@ def bind_options(loader: Loader, opts: LoadOptions, own: Mapping[str, object]) -
             continue
         owner = owner_of_option(name)
         if owner is None:
-            raise OptionError(f"unknown option {name!r} for format={loader.name!r}; its options: {', '.join(sorted(accepted)) or 'none'}")
+            raise OptionError(
+                f"unknown option {name!r} for format={loader.name!r}; its options: "
+                f"{', '.join(sorted(accepted)) or 'none'}"
+            )
         raise InvalidOptionError(f"{name}: an option of format={owner!r}; the {loader.name} loader does not use it")
     return dataclasses.replace(opts, loader_options=None if declared is None else declared(**own))
 
@@ -224,12 +236,18 @@ def _import(name: str, path: str) -> type:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        hint = " (reinstall weightstream)" if name in BUILTIN_LOADERS else f" (is the package providing {module_name!r} installed?)"
+        hint = (
+            " (reinstall weightstream)"
+            if name in BUILTIN_LOADERS
+            else f" (is the package providing {module_name!r} installed?)"
+        )
         raise LoaderRegistrationError(f"format {name!r}: cannot import {module_name!r}: {error}{hint}") from error
     try:
         return getattr(module, attribute)
     except AttributeError:
-        raise LoaderRegistrationError(f"format {name!r}: module {module_name!r} has no attribute {attribute!r}") from None
+        raise LoaderRegistrationError(
+            f"format {name!r}: module {module_name!r} has no attribute {attribute!r}"
+        ) from None
 
 
 def _load_entry_points() -> None:
@@ -239,15 +257,19 @@ def _load_entry_points() -> None:
     _entry_points_loaded = True
     for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if entry_point.name in _registry and not _same(_registry[entry_point.name], entry_point.value):
-            log.warning("entry point %s=%s ignored: format already registered to %s",
-                        entry_point.name, entry_point.value, _describe(_registry[entry_point.name]))
+            log.warning(
+                "entry point %s=%s ignored: format already registered to %s",
+                entry_point.name,
+                entry_point.value,
+                _describe(_registry[entry_point.name]),
+            )
             continue
         _registry[entry_point.name] = entry_point.value
 
 
-def _same(first: Union[str, type], second: Union[str, type]) -> bool:
+def _same(first: str | type, second: str | type) -> bool:
     return _describe(first) == _describe(second)
 
 
-def _describe(loader: Union[str, type, Callable]) -> str:
+def _describe(loader: str | type | Callable) -> str:
     return loader if isinstance(loader, str) else f"{loader.__module__}:{loader.__qualname__}"

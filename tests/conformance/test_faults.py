@@ -49,7 +49,10 @@ def test_file_truncated_during_load(big_checkpoint, no_leaks):
     name, uri = big_checkpoint
     truncate_after_first_read = truncating_after_first_read(files_of(uri))
     baseline = settled_rss()
-    with pytest.raises(weightstream.TruncatedFileError, match=r"file ends at byte \d+, expected bytes up to \d+ \(it changed or shrank while loading\)"):
+    with pytest.raises(
+        weightstream.TruncatedFileError,
+        match=r"file ends at byte \d+, expected bytes up to \d+ \(it changed or shrank while loading\)",
+    ):
         weightstream.load_weights(uri, format=name, chunk_bytes=MIB, progress=truncate_after_first_read)
     assert psutil.Process().memory_info().rss - baseline < 32 * MIB, "the arenas of a failed load were not released"
 
@@ -63,7 +66,10 @@ def test_file_changed_between_plan_and_read(big_checkpoint, zero_copy, no_leaks)
     victim = files_of(uri)[0]
     with open(victim, "ab") as file:
         file.write(b"more")
-    with pytest.raises(weightstream.SourceChangedError, match=r"is \d+ bytes now, \d+ when its header was read \(it changed while loading\)"):
+    with pytest.raises(
+        weightstream.SourceChangedError,
+        match=r"is \d+ bytes now, \d+ when its header was read \(it changed while loading\)",
+    ):
         next(stream)
 
 
@@ -74,7 +80,6 @@ def test_memory_released_after_success(big_checkpoint, no_leaks):
     assert psutil.Process().memory_info().rss - baseline > 150 * MIB
     del loaded
     assert psutil.Process().memory_info().rss - baseline < 32 * MIB
-
 
 
 @pytest.mark.cuda
@@ -94,9 +99,13 @@ def test_file_truncated_during_a_gpu_load_frees_device_memory(big_checkpoint, no
 def test_gpu_load_larger_than_the_device_is_a_typed_error(tmp_path: Path, no_leaks):
     free, _ = torch.cuda.mem_get_info()
     path = tmp_path / "huge.safetensors"
-    header = json.dumps({"w": {"dtype": "U8", "shape": [free + (1 << 30)], "data_offsets": [0, free + (1 << 30)]}}).encode()
+    header = json.dumps(
+        {"w": {"dtype": "U8", "shape": [free + (1 << 30)], "data_offsets": [0, free + (1 << 30)]}}
+    ).encode()
     with open(path, "wb") as file:
         file.write(len(header).to_bytes(8, "little") + header)
         file.truncate(8 + len(header) + free + (1 << 30))  # sparse: no disk used
-    with pytest.raises(weightstream.DeviceMemoryError, match=r"huge.safetensors: cannot allocate \d+ bytes on cuda:\d+ for its tensors"):
+    with pytest.raises(
+        weightstream.DeviceMemoryError, match=r"huge.safetensors: cannot allocate \d+ bytes on cuda:\d+ for its tensors"
+    ):
         weightstream.load_weights(path, device="cuda")

@@ -33,25 +33,77 @@ def f32(offsets=(0, 8), shape=(2,), dtype="F32"):
 VALID = header_bytes({"a": f32()}) + b"\x00" * 8
 MALFORMED = {
     "under-8-bytes": (b"\x01\x02\x03", HeaderError, r"file is 3 bytes, shorter than the 8-byte header length"),
-    "length-past-eof": (struct.pack("<Q", 1000) + b"{}", HeaderError, r"header length 1000 runs past the end of the file"),
-    "length-over-limit": (struct.pack("<Q", 100_000_001) + b"{}", HeaderError, r"header length 100000001 exceeds the limit"),
-    "length-2**64-1": (struct.pack("<Q", 2**64 - 1) + b"{}", HeaderError, r"header length 18446744073709551615 exceeds the limit"),
+    "length-past-eof": (
+        struct.pack("<Q", 1000) + b"{}",
+        HeaderError,
+        r"header length 1000 runs past the end of the file",
+    ),
+    "length-over-limit": (
+        struct.pack("<Q", 100_000_001) + b"{}",
+        HeaderError,
+        r"header length 100000001 exceeds the limit",
+    ),
+    "length-2**64-1": (
+        struct.pack("<Q", 2**64 - 1) + b"{}",
+        HeaderError,
+        r"header length 18446744073709551615 exceeds the limit",
+    ),
     "non-utf8": (struct.pack("<Q", 3) + b'{"\xff', HeaderError, r"header is not valid UTF-8"),
     "not-json": (struct.pack("<Q", 5) + b"{oops", HeaderError, r"header is not valid JSON"),
     "json-array": (struct.pack("<Q", 2) + b"[]", HeaderError, r"header is a JSON array, expected a JSON object"),
-    "nul-padding": (struct.pack("<Q", 6) + b"{}\x00\x00\x00\x00", HeaderError, r"header contains a NUL byte at file offset 10"),
+    "nul-padding": (
+        struct.pack("<Q", 6) + b"{}\x00\x00\x00\x00",
+        HeaderError,
+        r"header contains a NUL byte at file offset 10",
+    ),
     "duplicate-key": (struct.pack("<Q", 16) + b'{"a": 1, "a": 2}', HeaderError, r"header has the key 'a' twice"),
     "metadata-not-string": (header_bytes({"__metadata__": {"k": 1}}), HeaderError, r"__metadata__\['k'\] is int 1"),
-    "unknown-dtype": (header_bytes({"a": f32(dtype="Q8")}) + bytes(8), HeaderError, r"tensor 'a' in .*: unknown dtype 'Q8'"),
-    "negative-shape": (header_bytes({"a": f32(shape=(-2,))}) + bytes(8), HeaderError, r"shape \[-2\] is not a list of non-negative integers"),
-    "non-integer-shape": (header_bytes({"a": f32(shape=(2.5,))}) + bytes(8), HeaderError, r"shape \[2.5\] is not a list"),
-    "shape-overflow": (header_bytes({"a": f32(shape=(2**33, 2**33))}) + bytes(8), HeaderError, r"more than fit in 64 bits"),
-    "byte-count-mismatch": (header_bytes({"a": f32(offsets=(0, 4))}) + bytes(4), HeaderError, r"hold 4 bytes, expected 8 for F32 \[2\]"),
-    "overlap": (header_bytes({"a": f32(), "b": f32(offsets=(4, 12))}) + bytes(12), HeaderError, r"tensor 'b' .* overlap the previous tensor 'a'"),
-    "gap": (header_bytes({"a": f32(), "b": f32(offsets=(9, 17))}) + bytes(17), HeaderError, r"tensor 'b' .* leave a gap of 1 bytes after tensor 'a'"),
-    "begin-after-end": (header_bytes({"a": f32(offsets=(8, 0))}) + bytes(8), HeaderError, r"data_offsets \[8, 0\] begin after they end"),
+    "unknown-dtype": (
+        header_bytes({"a": f32(dtype="Q8")}) + bytes(8),
+        HeaderError,
+        r"tensor 'a' in .*: unknown dtype 'Q8'",
+    ),
+    "negative-shape": (
+        header_bytes({"a": f32(shape=(-2,))}) + bytes(8),
+        HeaderError,
+        r"shape \[-2\] is not a list of non-negative integers",
+    ),
+    "non-integer-shape": (
+        header_bytes({"a": f32(shape=(2.5,))}) + bytes(8),
+        HeaderError,
+        r"shape \[2.5\] is not a list",
+    ),
+    "shape-overflow": (
+        header_bytes({"a": f32(shape=(2**33, 2**33))}) + bytes(8),
+        HeaderError,
+        r"more than fit in 64 bits",
+    ),
+    "byte-count-mismatch": (
+        header_bytes({"a": f32(offsets=(0, 4))}) + bytes(4),
+        HeaderError,
+        r"hold 4 bytes, expected 8 for F32 \[2\]",
+    ),
+    "overlap": (
+        header_bytes({"a": f32(), "b": f32(offsets=(4, 12))}) + bytes(12),
+        HeaderError,
+        r"tensor 'b' .* overlap the previous tensor 'a'",
+    ),
+    "gap": (
+        header_bytes({"a": f32(), "b": f32(offsets=(9, 17))}) + bytes(17),
+        HeaderError,
+        r"tensor 'b' .* leave a gap of 1 bytes after tensor 'a'",
+    ),
+    "begin-after-end": (
+        header_bytes({"a": f32(offsets=(8, 0))}) + bytes(8),
+        HeaderError,
+        r"data_offsets \[8, 0\] begin after they end",
+    ),
     "trailing-bytes": (VALID + b"xyz", HeaderError, r"3 trailing bytes after the last tensor"),
-    "truncated-body": (VALID[:-3], TruncatedFileError, r"tensor 'a' in .*: data_offsets \[0, 8\] .* end past the end of the file"),
+    "truncated-body": (
+        VALID[:-3],
+        TruncatedFileError,
+        r"tensor 'a' in .*: data_offsets \[0, 8\] .* end past the end of the file",
+    ),
 }
 
 
@@ -60,7 +112,7 @@ def checkpoint(request, tmp_path: Path, tiny_state):
     """A valid checkpoint of the loader's layout, and the first safetensors file in it."""
     name, writer = request.param
     uri = writer(tiny_state, tmp_path / "ckpt")
-    first = sorted(Path(uri).glob("*.safetensors"))[0] if Path(uri).is_dir() else Path(uri)
+    first = min(Path(uri).glob("*.safetensors")) if Path(uri).is_dir() else Path(uri)
     with running(name, tmp_path):
         yield name, uri, first
 
@@ -79,7 +131,9 @@ def test_malformed_file(case, checkpoint, no_leaks):
 def test_pickle_file_refused_unread(suffix, tmp_path: Path, no_leaks):
     path = tmp_path / f"pytorch_model{suffix}"
     path.write_bytes(b"\x80\x04\x95 this would run code if unpickled")
-    with pytest.raises(UnsupportedInputError, match=rf"{suffix} files are pickles \(torch.save\); weightstream never unpickles"):
+    with pytest.raises(
+        UnsupportedInputError, match=rf"{suffix} files are pickles \(torch.save\); weightstream never unpickles"
+    ):
         weightstream.load_weights(path)
     directory = tmp_path / "only-pickles"
     directory.mkdir()
@@ -126,7 +180,16 @@ def test_index_lists_tensor_twice(sharded, no_leaks):
         weightstream.load_weights(directory)
 
 
-@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "http://example.com/x.safetensors", "a/../../b.safetensors", "C:\\x.safetensors"])
+@pytest.mark.parametrize(
+    "shard",
+    [
+        "../outside.safetensors",
+        "/etc/passwd",
+        "http://example.com/x.safetensors",
+        "a/../../b.safetensors",
+        "C:\\x.safetensors",
+    ],
+)
 def test_index_path_outside_directory(sharded, shard, no_leaks):
     directory, index_path, index = sharded
     index["weight_map"]["lm_head.weight"] = shard
@@ -146,7 +209,11 @@ def test_index_and_shards_disagree(sharded, no_leaks):
 def test_index_not_json(sharded, no_leaks):
     directory, index_path, _ = sharded
     index_path.write_text("{")
-    with pytest.raises(ShardIndexError, match=r"model.safetensors.index.json is not valid JSON: Expecting property name enclosed in double quotes at byte 1"):
+    with pytest.raises(
+        ShardIndexError,
+        match=r"model.safetensors.index.json is not valid JSON: Expecting property name enclosed in double quotes at "
+        r"byte 1",
+    ):
         weightstream.load_weights(directory)
 
 
@@ -162,7 +229,11 @@ def test_same_tensor_in_two_plain_shards(tmp_path: Path, no_leaks):
 # -- the mutation fuzzer ----------------------------------------------------------------------
 
 SEED_FILE = safetensors_save(
-    {"embed": torch.arange(12, dtype=torch.float32).reshape(3, 4), "bias": torch.ones(3, dtype=torch.bfloat16), "n": torch.tensor(7)},
+    {
+        "embed": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "bias": torch.ones(3, dtype=torch.bfloat16),
+        "n": torch.tensor(7),
+    },
     metadata={"format": "pt"},
 )
 

@@ -52,7 +52,7 @@ def test_header_order_differs_from_offset_order(layout, tmp_path: Path, tiny_sta
     """The header lists tensors in another order than their bytes (rewritten here, reversed)."""
     name, writer = layout
     uri = writer(tiny_state, tmp_path / "ckpt")
-    first = sorted(Path(uri).glob("*.safetensors"))[0] if Path(uri).is_dir() else Path(uri)
+    first = min(Path(uri).glob("*.safetensors")) if Path(uri).is_dir() else Path(uri)
     blob = first.read_bytes()
     length = int.from_bytes(blob[:8], "little")
     header = json.loads(blob[8 : 8 + length])
@@ -62,7 +62,9 @@ def test_header_order_differs_from_offset_order(layout, tmp_path: Path, tiny_sta
     keys = [key for key in json.loads(reordered) if key != "__metadata__"]
     assert keys != sorted(keys, key=lambda key: header[key]["data_offsets"][0]), "precondition: the orders differ"
     if writer in GUARDED_WRITERS:
-        with pytest.raises(weightstream.ManifestError, match=r"bytes, the manifest says \d+ \(the file changed after the save\)"):
+        with pytest.raises(
+            weightstream.ManifestError, match=r"bytes, the manifest says \d+ \(the file changed after the save\)"
+        ):
             weightstream.load_weights(uri, format=name)
         return
     assert_same(weightstream.load_weights(uri, format=name), tiny_state)
@@ -87,7 +89,11 @@ def test_llama_checkpoint(layout, io, destination, tmp_path: Path, tiny_state, n
     if refuses(name, options, uri):
         return
     assert_same(weightstream.load_weights(uri, format=name, **options), tiny_state, destination)
-    kept = dict(weightstream.iter_weights(uri, format=name, **{"chunk_bytes": 4096, "threads": 3, **options, **KEEPING_OPTIONS.get(name, {})}))
+    kept = dict(
+        weightstream.iter_weights(
+            uri, format=name, **{"chunk_bytes": 4096, "threads": 3, **options, **KEEPING_OPTIONS.get(name, {})}
+        )
+    )
     assert_same(kept, tiny_state, destination)
 
 
@@ -101,13 +107,28 @@ def test_filter_by_names_and_predicate(layout, io, destination, tmp_path: Path, 
     options = {**io, **destination.options}
     if refuses(name, options, uri):
         return
-    wanted = ["model.layers.1.mlp.up_proj.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight"]
-    assert_same(weightstream.load_weights(uri, format=name, filter=wanted, **options), {n: tiny_state[n] for n in wanted}, destination)
+    wanted = [
+        "model.layers.1.mlp.up_proj.weight",
+        "lm_head.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.norm.weight",
+    ]
+    assert_same(
+        weightstream.load_weights(uri, format=name, filter=wanted, **options),
+        {n: tiny_state[n] for n in wanted},
+        destination,
+    )
     layer_two = {n: t for n, t in tiny_state.items() if ".layers.2." in n}
-    assert_same(weightstream.load_weights(uri, format=name, filter=lambda n: ".layers.2." in n, **options), layer_two, destination)
+    assert_same(
+        weightstream.load_weights(uri, format=name, filter=lambda n: ".layers.2." in n, **options),
+        layer_two,
+        destination,
+    )
 
 
-@pytest.mark.parametrize("io", [{"direct_io": True, "chunk_bytes": 4096}, {"zero_copy": True}], ids=["direct", "zero-copy"])
+@pytest.mark.parametrize(
+    "io", [{"direct_io": True, "chunk_bytes": 4096}, {"zero_copy": True}], ids=["direct", "zero-copy"]
+)
 def test_every_dtype_read_directly_or_mapped(layout, io, tmp_path: Path, no_leaks):
     name, writer = layout
     state = every_dtype()
@@ -156,7 +177,9 @@ def test_filter_selecting_nothing(layout, tmp_path: Path, tiny_state, no_leaks):
 def test_filter_naming_a_missing_tensor(layout, tmp_path: Path, tiny_state, no_leaks):
     name, writer = layout
     uri = writer(tiny_state, tmp_path / "ckpt")
-    with pytest.raises(weightstream.TensorNotFound, match=r"1 requested tensor\(s\) not in the checkpoint: 'model.nope'"):
+    with pytest.raises(
+        weightstream.TensorNotFound, match=r"1 requested tensor\(s\) not in the checkpoint: 'model.nope'"
+    ):
         weightstream.load_weights(uri, format=name, filter=["lm_head.weight", "model.nope"])
 
 
@@ -183,5 +206,8 @@ def test_abandoned_iterator_leaks_nothing(layout, destination, tmp_path: Path, t
 
 def test_unknown_option_raises_before_any_io(layout, tmp_path: Path):
     name, _ = layout
-    with pytest.raises(weightstream.OptionError, match=r"unknown option\(s\) chunk_size; known options: chunk_bytes, copy_layers, deadline_s, device"):
+    with pytest.raises(
+        weightstream.OptionError,
+        match=r"unknown option\(s\) chunk_size; known options: chunk_bytes, copy_layers, deadline_s, device",
+    ):
         weightstream.iter_weights(tmp_path / "does-not-exist", format=name, chunk_size=1)

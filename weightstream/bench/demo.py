@@ -68,7 +68,10 @@ class LlamaShape:
             base = cls(layers=0).nbytes(dtype)
             per_layer = cls(layers=1).nbytes(dtype) - base
             return cls(layers=max(1, round((target_bytes - base) / per_layer)))
-        widths = [cls(hidden=hidden, intermediate=round(hidden * 2.75 / 256) * 256, layers=layers) for hidden in range(256, 16385, 256)]
+        widths = [
+            cls(hidden=hidden, intermediate=round(hidden * 2.75 / 256) * 256, layers=layers)
+            for hidden in range(256, 16385, 256)
+        ]
         return min(widths, key=lambda shape: abs(shape.nbytes(dtype) - target_bytes))
 
 
@@ -81,7 +84,10 @@ def llama_state_dict(shape: LlamaShape, dtype: torch.dtype = torch.bfloat16, see
         torch.Size([64, 128])
     """
     generator = torch.Generator().manual_seed(seed)
-    return {name: torch.empty(dims, dtype=dtype).normal_(0, 0.02, generator=generator) for name, dims in shape.tensor_shapes()}
+    return {
+        name: torch.empty(dims, dtype=dtype).normal_(0, 0.02, generator=generator)
+        for name, dims in shape.tensor_shapes()
+    }
 
 
 def write_sharded(state_dict: dict[str, torch.Tensor], directory: str | os.PathLike[str], shards: int) -> list[str]:
@@ -105,13 +111,18 @@ def write_sharded(state_dict: dict[str, torch.Tensor], directory: str | os.PathL
     return paths
 
 
-def demo_checkpoint(size_bytes: int = GIB, shards: int = 2, cache_dir: str | None = None, layers: int | None = None) -> str:
-    """The path of a cached demo checkpoint of about ``size_bytes`` (with ``layers`` layers if given), built on first use.
+def demo_checkpoint(
+    size_bytes: int = GIB, shards: int = 2, cache_dir: str | None = None, layers: int | None = None
+) -> str:
+    """The path of a cached demo checkpoint of about ``size_bytes`` (with ``layers`` layers if given), built on
+    first use.
 
     Example:
         >>> path = demo_checkpoint(256 << 20)  # doctest: +SKIP
     """
-    cache_dir = cache_dir or os.environ.get("WEIGHTSTREAM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "weightstream"))
+    cache_dir = cache_dir or os.environ.get(
+        "WEIGHTSTREAM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "weightstream")
+    )
     shape = LlamaShape.of_size(size_bytes, layers=layers)
     width = "" if shape.hidden == LlamaShape.hidden else f"{shape.hidden}h-"
     target = os.path.join(cache_dir, f"demo-llama-{shape.layers}l-{width}{shards}s")
@@ -133,4 +144,3 @@ def demo_checkpoint(size_bytes: int = GIB, shards: int = 2, cache_dir: str | Non
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
-

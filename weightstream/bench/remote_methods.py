@@ -28,7 +28,8 @@ PIECE = 8 << 20
 
 @dataclasses.dataclass(frozen=True)
 class RemoteMethod:
-    """A remote benchmark method: its generator, the module it needs (or, by scheme, the modules), and the URI schemes it reads."""
+    """A remote benchmark method: its generator, the module it needs (or, by scheme, the modules), and the URI
+    schemes it reads."""
 
     load: Method
     module: str | Mapping[str, str] | None
@@ -130,7 +131,11 @@ def limit_transport(threads: int, range_bytes: int) -> Method:
                     local.buffer = memoryview(bytearray(range_bytes))
                 sources[number].read_into(start, local.buffer[: end - start])
 
-            jobs = [(number, start, end) for number, source in enumerate(sources) for start, end in _spans(source.size, range_bytes)]
+            jobs = [
+                (number, start, end)
+                for number, source in enumerate(sources)
+                for start, end in _spans(source.size, range_bytes)
+            ]
             with ThreadPoolExecutor(threads) as pool:
                 list(pool.map(get, jobs))
         yield from ()
@@ -209,4 +214,3 @@ def remote_skip_reason(method: str, uri: str) -> str | None:
     if module is not None and importlib.util.find_spec(module) is None:
         return f"{module} is not installed"
     return None
-

@@ -68,7 +68,9 @@ class Row:
             "gbps_max": max(self.gbps),
             "seconds_median": statistics.median(run["seconds"] for run in self.runs),
             "first_tensor_seconds_median": statistics.median(firsts) if firsts else None,
-            "peak_rss_above_baseline_median": statistics.median(run["peak_rss"] - run["baseline_rss"] for run in self.runs),
+            "peak_rss_above_baseline_median": statistics.median(
+                run["peak_rss"] - run["baseline_rss"] for run in self.runs
+            ),
             **device_peaks,
             "runs": len(self.runs),
         }
@@ -120,20 +122,28 @@ def run_bench(
     check_device(device)
     remote = uri.startswith(REMOTE_SCHEMES)
     if remote and device != "cpu":
-        raise InvalidOptionError(f"bench of an object-store checkpoint lands tensors on the CPU; --device {device} is for local files")
+        raise InvalidOptionError(
+            f"bench of an object-store checkpoint lands tensors on the CPU; --device {device} is for local files"
+        )
     known = REMOTE_METHODS if remote else METHODS_BY_DEVICE[device]
     methods = [m for m in known if m not in SHARDED_STATE_METHODS] if methods is None else list(methods)
     if remote:
         caches = (SERVER_CACHE,)  # the server's page cache is its own; the worker does not control it
     unknown = [m for m in methods if m not in known] + [c for c in caches if c not in (*CACHES, SERVER_CACHE)]
     if unknown:
-        raise InvalidOptionError(f"unknown method or cache {unknown}; {device} methods: {', '.join(known)}; caches: {', '.join(CACHES)}")
+        raise InvalidOptionError(
+            f"unknown method or cache {unknown}; {device} methods: {', '.join(known)}; caches: {', '.join(CACHES)}"
+        )
     if rounds < 1:
         raise InvalidOptionError(f"rounds must be at least 1, got {rounds}")
     with contextlib.closing(store_for(uri)) as store:
         files = list(find_files(store, uri).files)
     worker_device = REMOTE if remote else device
-    rows = {(m, c): Row(m, c, device, skipped=remote_skip_reason(m, uri) if remote else _why_skipped(m, device)) for c in caches for m in methods}
+    rows = {
+        (m, c): Row(m, c, device, skipped=remote_skip_reason(m, uri) if remote else _why_skipped(m, device))
+        for c in caches
+        for m in methods
+    }
     for round_number in range(rounds):
         for cache in caches:
             for method in methods:
@@ -147,11 +157,17 @@ def run_bench(
                 except BenchmarkError as error:
                     row.failed, row.runs = str(error), []
                     if on_run is not None:
-                        on_run(f"round {round_number + 1}/{rounds} {cache:4s} {method:24s} FAILED: {_first_line(row.failed)}")
+                        on_run(
+                            f"round {round_number + 1}/{rounds} {cache:4s} {method:24s} FAILED: "
+                            f"{_first_line(row.failed)}"
+                        )
                     continue
                 if on_run is not None:
                     run = row.runs[-1]
-                    on_run(f"round {round_number + 1}/{rounds} {cache:4s} {method:24s} {run['bytes'] / run['seconds'] / 1e9:6.2f} GB/s")
+                    on_run(
+                        f"round {round_number + 1}/{rounds} {cache:4s} {method:24s} "
+                        f"{run['bytes'] / run['seconds'] / 1e9:6.2f} GB/s"
+                    )
     return BenchReport(uri, files, sum(file_sizes(uri, files)), rounds, list(rows.values()), _machine(device), device)
 
 
@@ -182,8 +198,11 @@ def format_table(report: BenchReport) -> str:
     """A plain-text table of the report, with weightstream's ratio to each method."""
     on_gpu = report.device == "cuda"
     lines = [
-        f"checkpoint: {report.uri} ({report.total_bytes / 2**30:.2f} GiB in {len(report.files)} files) to {report.device}, "
-        f"{report.rounds} interleaved rounds, each run a fresh process; medians (min-max)",
+        (
+            f"checkpoint: {report.uri} ({report.total_bytes / 2**30:.2f} GiB in {len(report.files)} files) to "
+            f"{report.device}, "
+            f"{report.rounds} interleaved rounds, each run a fresh process; medians (min-max)"
+        ),
         f"{'cache':5s} {'method':24s} {'GB/s':>22s} {'first tensor':>13s} {'peak RSS +':>11s} "
         + (f"{'GPU +':>9s} {'pinned':>9s} " if on_gpu else "")
         + f"{'ws ratio':>9s}",
@@ -200,11 +219,13 @@ def format_table(report: BenchReport) -> str:
         first = summary["first_tensor_seconds_median"]
         ratio = table_ratios.get(row.cache, {}).get(row.method)
         lines.append(
-            f"{row.cache:5s} {row.method:24s} {summary['gbps_median']:7.2f} ({summary['gbps_min']:5.2f}-{summary['gbps_max']:5.2f}) "
+            f"{row.cache:5s} {row.method:24s} {summary['gbps_median']:7.2f} "
+            f"({summary['gbps_min']:5.2f}-{summary['gbps_max']:5.2f}) "
             f"{(f'{first * 1000:9.0f} ms' if first is not None else '        n/a'):>13s} "
             f"{summary['peak_rss_above_baseline_median'] / 2**20:8.0f} MiB "
             + (
-                f"{summary['peak_device_bytes_median'] / 2**30:5.2f} GiB {summary['peak_pinned_bytes_median'] / 2**20:5.0f} MiB "
+                f"{summary['peak_device_bytes_median'] / 2**30:5.2f} GiB "
+                f"{summary['peak_pinned_bytes_median'] / 2**20:5.0f} MiB "
                 if on_gpu
                 else ""
             )
@@ -226,8 +247,15 @@ def plot(summary: dict, path: str) -> None:
     figure, axes = plt.subplots(figsize=(11, 4.8))
     width = 0.8 / max(1, len(caches))
     for number, cache in enumerate(caches):
-        values = [next((r["gbps_median"] for r in results if r["method"] == m and r["cache"] == cache), 0.0) for m in methods]
-        bars = axes.bar([i + number * width for i in range(len(methods))], values, width, label=f"{cache} cache" if cache == SERVER_CACHE else f"{cache} page cache")
+        values = [
+            next((r["gbps_median"] for r in results if r["method"] == m and r["cache"] == cache), 0.0) for m in methods
+        ]
+        bars = axes.bar(
+            [i + number * width for i in range(len(methods))],
+            values,
+            width,
+            label=f"{cache} cache" if cache == SERVER_CACHE else f"{cache} page cache",
+        )
         axes.bar_label(bars, fmt="%.2f", fontsize=7)
     axes.set_yscale("log")
     axes.set_xticks([i + width * (len(caches) - 1) / 2 for i in range(len(methods))], methods, rotation=20, ha="right")
@@ -254,7 +282,10 @@ def prepare_cache(files: list[str], cache: str) -> None:
     for path in files:
         resident = pagecache.resident_fraction(path)
         if (cache == "cold" and resident > COLD_RESIDENCY) or (cache == "warm" and resident < WARM_RESIDENCY):
-            raise BenchmarkError(f"{path}: {resident:.0%} resident in the page cache after preparing a {cache} run; the figure would be wrong")
+            raise BenchmarkError(
+                f"{path}: {resident:.0%} resident in the page cache after preparing a {cache} run; the figure would be "
+                "wrong"
+            )
 
 
 def run_worker(device: str, method: str, uri: str, files: list[str]) -> dict:
@@ -266,7 +297,7 @@ def run_worker(device: str, method: str, uri: str, files: list[str]) -> dict:
     """
     command = [sys.executable, "-m", "weightstream.bench.worker", device, method, uri, *files]
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         raise BenchmarkError(f"benchmark of {method} ran past {WORKER_TIMEOUT_S} s") from None
     if result.returncode != 0:

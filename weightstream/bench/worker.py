@@ -37,7 +37,8 @@ def touch(tensor: torch.Tensor) -> int:
 
 
 def measure(device: str, method: str, uri: str, files: list[str]) -> dict[str, object]:
-    """Run ``method`` once; ``device`` is ``cpu``, ``cuda``, or ``remote`` (a checkpoint in an object store, to the CPU)."""
+    """Run ``method`` once; ``device`` is ``cpu``, ``cuda``, or ``remote`` (a checkpoint in an object store, to the
+    CPU)."""
     generator = REMOTE_METHODS[method].load if device == REMOTE else METHODS_BY_DEVICE[device][method][0]
     on_gpu = device == "cuda"
     sampler = DeviceMemorySampler() if on_gpu else None
@@ -68,7 +69,9 @@ def measure(device: str, method: str, uri: str, files: list[str]) -> dict[str, o
     }
     if sampler is not None:
         result["peak_device_bytes"] = sampler.stop()
-        result["peak_pinned_bytes"] = torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0) + pinning.registered_bytes()[1]
+        result["peak_pinned_bytes"] = (
+            torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0) + pinning.registered_bytes()[1]
+        )
     return result
 
 

@@ -49,12 +49,14 @@ def import_engine(module: str, install: str) -> ModuleType:
         >>> import_engine("no_such_engine", "pip install no-such-engine")
         Traceback (most recent call last):
         ...
-        weightstream.errors.EngineUnavailableError: this weightstream adapter needs no_such_engine, which is not installed here (pip install no-such-engine)
+        weightstream.errors.EngineUnavailableError: this weightstream adapter needs no_such_engine, which is not ...
     """
     try:
         return importlib.import_module(module)
     except ImportError as error:
-        raise EngineUnavailableError(f"this weightstream adapter needs {module.split('.')[0]}, which is not installed here ({install})") from error
+        raise EngineUnavailableError(
+            f"this weightstream adapter needs {module.split('.')[0]}, which is not installed here ({install})"
+        ) from error
 
 
 def loader_options(extra: Mapping[str, Any] | None, load_format: str) -> tuple[str | None, dict[str, Any]]:
@@ -68,15 +70,21 @@ def loader_options(extra: Mapping[str, Any] | None, load_format: str) -> tuple[s
     options = dict(extra or {})
     uri = options.pop("uri", None)
     if uri is not None and not isinstance(uri, str):
-        raise InvalidOptionError(f"{load_format}: 'uri' in the extra loader config must be a string, got {type(uri).__name__}")
+        raise InvalidOptionError(
+            f"{load_format}: 'uri' in the extra loader config must be a string, got {type(uri).__name__}"
+        )
     owned = sorted(ENGINE_OWNED & options.keys())
     if owned:
-        raise InvalidOptionError(f"{load_format}: {', '.join(owned)} in the extra loader config: the engine decides these")
+        raise InvalidOptionError(
+            f"{load_format}: {', '.join(owned)} in the extra loader config: the engine decides these"
+        )
     split_options(options)
     return uri, options
 
 
-def model_weights(model: str, revision: str | None, download_dir: str | None, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def model_weights(
+    model: str, revision: str | None, download_dir: str | None, options: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
     """Where the weights of an engine's model are, and the options to read them with: a local path or URI as
     it is; a Hugging Face id (``org/name``, or ``hf://...``) resolved once, as the engines resolve it (the
     cache first, ``download_dir`` being the engine's cache directory, ``HF_HUB_OFFLINE`` honoured), to the
@@ -110,12 +118,14 @@ def check_filled(parameters: Collection[str], filled: Collection[str], uri: str)
         >>> check_filled({"lm_head.weight", "model.norm.weight"}, {"model.norm.weight"}, "/models/llama")
         Traceback (most recent call last):
         ...
-        weightstream.errors.WeightsMismatchError: /models/llama did not fill 1 of the model's 2 parameters: lm_head.weight
+        weightstream.errors.WeightsMismatchError: /models/llama did not fill 1 of the model's 2 parameters: ...
     """
     missing = sorted(set(parameters) - set(filled))
     if missing:
         shown = ", ".join(missing[:8]) + (f", ... ({len(missing) - 8} more)" if len(missing) > 8 else "")
-        raise WeightsMismatchError(f"{uri} did not fill {len(missing)} of the model's {len(parameters)} parameters: {shown}")
+        raise WeightsMismatchError(
+            f"{uri} did not fill {len(missing)} of the model's {len(parameters)} parameters: {shown}"
+        )
 
 
 RESIDENT_FOR_MAPPING = 0.5
@@ -123,7 +133,9 @@ RESIDENT_FOR_MAPPING = 0.5
 is in the page cache, and reads it layer by layer otherwise."""
 
 
-def checkpoint_reading(device: torch.device, uri: str, weightstream_format: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def checkpoint_reading(
+    device: torch.device, uri: str, weightstream_format: str, options: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
     """The weightstream format and options to read a checkpoint into an engine's model on ``device`` with.
 
     On a CPU engine the engine copies every tensor into its own parameters, and a local safetensors
@@ -139,19 +151,28 @@ def checkpoint_reading(device: torch.device, uri: str, weightstream_format: str,
         >>> checkpoint_reading(torch.device("cpu"), "s3://bucket/llama", "auto", {"threads": 8})
         ('auto', {'threads': 8})
     """
-    if device.type != "cpu" or "zero_copy" in options or weightstream_format not in ("auto", "safetensors") or weightstream.resolve_format(uri) != "safetensors":
+    if (
+        device.type != "cpu"
+        or "zero_copy" in options
+        or weightstream_format not in ("auto", "safetensors")
+        or weightstream.resolve_format(uri) != "safetensors"
+    ):
         return weightstream_format, options
     if weightstream_format == "auto":
         sizes = {path: os.path.getsize(path) for path in find_files(LocalStore(), uri).files}
         resident = sum(resident_fraction(path) * size for path, size in sizes.items()) / max(1, sum(sizes.values()))
         if resident < RESIDENT_FOR_MAPPING:
-            logger.info("%s: %.0f%% in the page cache: reading it layer by layer while the engine copies", uri, 100 * resident)
+            logger.info(
+                "%s: %.0f%% in the page cache: reading it layer by layer while the engine copies", uri, 100 * resident
+            )
             return "layered", options
     return weightstream_format, {**options, "zero_copy": True}
 
 
 @contextlib.contextmanager
-def weight_batches(uri: str, weightstream_format: str, device: torch.device, options: dict[str, Any]) -> Iterator[Iterator[Iterable[tuple[str, torch.Tensor]]]]:
+def weight_batches(
+    uri: str, weightstream_format: str, device: torch.device, options: dict[str, Any]
+) -> Iterator[Iterator[Iterable[tuple[str, torch.Tensor]]]]:
     """What to hand an engine's ``load_weights``, call after call: one iterator of every tensor, or for
     ``layered`` one list per layer (engines' nested weight iterators keep the last tensors they saw
     referenced until they resume, which would pin the layered loader's reused buffers). The load is
@@ -196,13 +217,18 @@ def sharded_rank(parallel_state: ModuleType) -> tuple[Rank, Rank, str]:
         (0, 2, 'model-rank-{rank}-part-{part}.safetensors')
     """
     pp_group = parallel_state.get_pp_group()
-    tp_rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank, tp_size = (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
     if pp_group.world_size == 1:
         return tp_rank, tp_size, DEFAULT_PATTERN
     return (pp_group.rank_in_group, tp_rank), (pp_group.world_size, tp_size), PP_PATTERN
 
 
-def load_sharded_state_into(state: dict[str, torch.Tensor], uri: str, *, rank: Rank, world_size: Rank, pattern: str, options: dict[str, Any]) -> None:
+def load_sharded_state_into(
+    state: dict[str, torch.Tensor], uri: str, *, rank: Rank, world_size: Rank, pattern: str, options: dict[str, Any]
+) -> None:
     """Copy this rank's sharded-state tensors at ``uri`` into ``state`` (an engine's state dict, shared
     views dropped), each into its parameter (the front of it where LoRA padded it); every entry must be filled.
 
@@ -215,12 +241,22 @@ def load_sharded_state_into(state: dict[str, torch.Tensor], uri: str, *, rank: R
     """
     device = next((tensor.device for tensor in state.values()), torch.device("cpu"))
     remaining = dict(state)
-    weights = weightstream.iter_weights(uri, format="sharded-state", device=str(device), rank=rank, world_size=world_size, **{"shard_pattern": pattern, **options})
+    weights = weightstream.iter_weights(
+        uri,
+        format="sharded-state",
+        device=str(device),
+        rank=rank,
+        world_size=world_size,
+        **{"shard_pattern": pattern, **options},
+    )
     with contextlib.closing(weights):  # a mismatch stops the load's readers at once, not when the traceback goes
         for name, tensor in weights:
             parameter = remaining.pop(name, None)
             if parameter is None:
-                raise WeightsMismatchError(f"{uri}: tensor {name!r} of rank {rank} is not a parameter of the model" + (" (or came twice)" if name in state else ""))
+                raise WeightsMismatchError(
+                    f"{uri}: tensor {name!r} of rank {rank} is not a parameter of the model"
+                    + (" (or came twice)" if name in state else "")
+                )
             copy_into_parameter(parameter, tensor, name, uri)
     check_filled(list(state), set(state) - set(remaining), uri)
 
@@ -232,11 +268,18 @@ def copy_into_parameter(parameter: torch.Tensor, tensor: torch.Tensor, name: str
         >>> copy_into_parameter(torch.zeros(3), torch.ones(2, dtype=torch.float16), "norm.weight", "/models/llama")
         Traceback (most recent call last):
         ...
-        weightstream.errors.WeightsMismatchError: /models/llama: tensor 'norm.weight' is torch.float16 (2,); the model's parameter is torch.float32 (3,)
+        weightstream.errors.WeightsMismatchError: /models/llama: tensor 'norm.weight' is torch.float16 (2,); ...
     """
     data = parameter.data
-    if tensor.dtype != data.dtype or tensor.dim() != data.dim() or any(size > limit for size, limit in zip(tensor.shape, data.shape)):
-        raise WeightsMismatchError(f"{uri}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}; the model's parameter is {data.dtype} {tuple(data.shape)}")
+    if (
+        tensor.dtype != data.dtype
+        or tensor.dim() != data.dim()
+        or any(size > limit for size, limit in zip(tensor.shape, data.shape))
+    ):
+        raise WeightsMismatchError(
+            f"{uri}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}; the model's parameter is {data.dtype} "
+            f"{tuple(data.shape)}"
+        )
     for dim, size in enumerate(tensor.shape):
         if size < data.shape[dim]:
             data = data.narrow(dim, 0, size)

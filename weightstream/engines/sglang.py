@@ -87,7 +87,9 @@ def loader_class(load_format: str = "weightstream") -> type:
     """
     formats = engine_formats()
     if load_format not in formats:
-        raise UnknownFormatError(f"{load_format!r} is not a weightstream load format; known: {', '.join(sorted(formats))}")
+        raise UnknownFormatError(
+            f"{load_format!r} is not a weightstream load format; known: {', '.join(sorted(formats))}"
+        )
     return _loader_class(load_format, formats[load_format])
 
 
@@ -123,14 +125,24 @@ def _loader_class(load_format: str, weightstream_format: str) -> type:
             elif weightstream_format == "layered":
                 model = _load_layered(self.load_config, model_config, device_config, uri, options)
             else:
-                model = _load_checkpoint(self.load_config, model_config, device_config, uri, weightstream_format, options)
-            logger.info("Loading weights took %.2f seconds (weightstream, format %s)", time.perf_counter() - started, weightstream_format)
+                model = _load_checkpoint(
+                    self.load_config, model_config, device_config, uri, weightstream_format, options
+                )
+            logger.info(
+                "Loading weights took %.2f seconds (weightstream, format %s)",
+                time.perf_counter() - started,
+                weightstream_format,
+            )
             return model.eval()
 
         def _locate(self, model_config: Any) -> tuple[str, dict[str, Any]]:
-            return model_weights(self.uri or model_config.model_path, model_config.revision, self.load_config.download_dir, self.options)
+            return model_weights(
+                self.uri or model_config.model_path, model_config.revision, self.load_config.download_dir, self.options
+            )
 
-    WeightstreamModelLoader.__name__ = WeightstreamModelLoader.__qualname__ = "WeightstreamModelLoader_" + load_format.replace("-", "_")
+    WeightstreamModelLoader.__name__ = WeightstreamModelLoader.__qualname__ = (
+        "WeightstreamModelLoader_" + load_format.replace("-", "_")
+    )
     return WeightstreamModelLoader
 
 
@@ -140,11 +152,17 @@ def _build(load_config: Any, model_config: Any, device: torch.device, *, on_meta
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     quantization = _get_quantization_config(model_config, load_config)
-    with set_default_torch_dtype(model_config.dtype), device, parameters_on_meta() if on_meta else contextlib.nullcontext():
+    with (
+        set_default_torch_dtype(model_config.dtype),
+        device,
+        parameters_on_meta() if on_meta else contextlib.nullcontext(),
+    ):
         return _initialize_model(model_config, load_config, quantization)
 
 
-def _load_checkpoint(load_config: Any, model_config: Any, device_config: Any, uri: str, weightstream_format: str, options: dict[str, Any]) -> torch.nn.Module:
+def _load_checkpoint(
+    load_config: Any, model_config: Any, device_config: Any, uri: str, weightstream_format: str, options: dict[str, Any]
+) -> torch.nn.Module:
     """Through the model's own ``load_weights`` (its weight loaders shard and fuse), checked, then post-processed."""
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
@@ -155,14 +173,20 @@ def _load_checkpoint(load_config: Any, model_config: Any, device_config: Any, ur
         from sglang.srt.distributed import parallel_state
 
         options = with_world_group(options, parallel_state, device)
-    with set_default_torch_dtype(model_config.dtype), WriteRecorder() as writes, weight_batches(uri, weightstream_format, device, options) as batches:
+    with (
+        set_default_torch_dtype(model_config.dtype),
+        WriteRecorder() as writes,
+        weight_batches(uri, weightstream_format, device, options) as batches,
+    ):
         for batch in batches:
             model.load_weights(batch)
     _check_and_postprocess(model, model_config, writes, uri, device)
     return model
 
 
-def _load_layered(load_config: Any, model_config: Any, device_config: Any, uri: str, options: dict[str, Any]) -> torch.nn.Module:
+def _load_layered(
+    load_config: Any, model_config: Any, device_config: Any, uri: str, options: dict[str, Any]
+) -> torch.nn.Module:
     """Parameters on meta; each layer's parameters get memory just before the layer is loaded (its key is
     its module's path: ``model.layers.3``), one ``load_weights`` call per layer."""
     from sglang.srt.model_loader.utils import set_default_torch_dtype
@@ -178,19 +202,23 @@ def _load_layered(load_config: Any, model_config: Any, device_config: Any, uri: 
     return model
 
 
-def _check_and_postprocess(model: torch.nn.Module, model_config: Any, writes: WriteRecorder, uri: str, device: torch.device) -> None:
+def _check_and_postprocess(
+    model: torch.nn.Module, model_config: Any, writes: WriteRecorder, uri: str, device: torch.device
+) -> None:
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
     parameters = dict(model.named_parameters())
     if model_config.quantization is None:
         unfilled = set(writes.unfilled(parameters))
-    else:  # quantization methods may fill their parameters in ways of their own; one still on meta was never given memory
+    else:  # quantization methods fill their parameters in ways of their own; one still on meta was never given memory
         unfilled = {name for name, parameter in parameters.items() if parameter.device.type == "meta"}
     check_filled(parameters, set(parameters) - unfilled, uri)
     DefaultModelLoader.postprocess_weights(model, device)
 
 
-def _load_sharded_state(load_config: Any, model_config: Any, device_config: Any, uri: str, options: dict[str, Any]) -> torch.nn.Module:
+def _load_sharded_state(
+    load_config: Any, model_config: Any, device_config: Any, uri: str, options: dict[str, Any]
+) -> torch.nn.Module:
     """As SGLang's ``sharded_state``: the model built and its quantization methods' post-processing run
     first (the state was saved after it), then this rank's tensors copied into its state dict."""
     from sglang.srt.distributed import parallel_state
@@ -215,4 +243,3 @@ def _target_device(device_config: Any) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-

@@ -9,7 +9,8 @@ The package's ``vllm.general_plugins`` entry point calls :func:`register` in eve
 
 ``uri`` (optional) says where the weights are when not beside the model's config. A Hugging Face
 model id (``vllm serve org/name``, or ``"uri": "hf://org/name@revision"``) is read from the Hugging
-Face cache when it holds the weights, else streamed from the Hub at the commit the revision names (``HF_HUB_OFFLINE`` and vLLM's ``--download-dir`` honoured).
+Face cache when it holds the weights, else streamed from the Hub at the commit the revision names
+(``HF_HUB_OFFLINE`` and vLLM's ``--download-dir`` honoured).
 ``save_sharded_state`` (a directory) saves each worker's weights right after loading them, before
 vLLM post-processes them, for ``weightstream-sharded-state`` (and vLLM's ``sharded_state``). Tensors land
 where vLLM built the parameters (CPU or the worker's GPU). Every parameter must be filled by the
@@ -60,7 +61,9 @@ def register() -> None:
         loaders.register_model_loader(load_format)(_loader_class(base, load_format, weightstream_format))
 
 
-def save_sharded_state(llm: Any, directory: str | os.PathLike[str], *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
+def save_sharded_state(
+    llm: Any, directory: str | os.PathLike[str], *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> None:
     """Save a running ``vllm.LLM``'s weights as each worker holds them (after sharding and post-processing),
     with weightstream's atomic saver, for ``--load-format weightstream-sharded-state`` (or vLLM's ``sharded_state``).
 
@@ -94,18 +97,28 @@ def _loader_class(base: type, load_format: str, weightstream_format: str) -> typ
                 _load_sharded_state(model, uri, options)
             else:
                 _load_checkpoint(model, model_config, uri, weightstream_format, options)
-            _logger().info("Loading weights took %.2f seconds (weightstream, format %s)", time.perf_counter() - started, weightstream_format)
+            _logger().info(
+                "Loading weights took %.2f seconds (weightstream, format %s)",
+                time.perf_counter() - started,
+                weightstream_format,
+            )
             if self.save_to is not None:
                 _save_model_state(model, os.fspath(self.save_to), DEFAULT_MAX_FILE_BYTES)
 
         def _locate(self, model_config: Any) -> tuple[str, dict[str, Any]]:
-            return model_weights(self.uri or model_config.model, model_config.revision, self.load_config.download_dir, self.options)
+            return model_weights(
+                self.uri or model_config.model, model_config.revision, self.load_config.download_dir, self.options
+            )
 
-    WeightstreamModelLoader.__name__ = WeightstreamModelLoader.__qualname__ = "WeightstreamModelLoader_" + load_format.replace("-", "_")
+    WeightstreamModelLoader.__name__ = WeightstreamModelLoader.__qualname__ = (
+        "WeightstreamModelLoader_" + load_format.replace("-", "_")
+    )
     return WeightstreamModelLoader
 
 
-def _load_checkpoint(model: torch.nn.Module, model_config: Any, uri: str, weightstream_format: str, options: dict[str, Any]) -> None:
+def _load_checkpoint(
+    model: torch.nn.Module, model_config: Any, uri: str, weightstream_format: str, options: dict[str, Any]
+) -> None:
     """Through the model's own ``load_weights`` (its weight loaders shard and fuse), then the completeness check."""
     device = device_of(model)
     weightstream_format, options = checkpoint_reading(device, uri, weightstream_format, options)
@@ -124,7 +137,10 @@ def _load_checkpoint(model: torch.nn.Module, model_config: Any, uri: str, weight
 def _filled_by(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], uri: str) -> set[str]:
     filled = model.load_weights(weights)
     if filled is None:
-        raise WeightsMismatchError(f"{type(model).__name__}.load_weights does not report what it filled; weightstream cannot check {uri} is complete")
+        raise WeightsMismatchError(
+            f"{type(model).__name__}.load_weights does not report what it filled; weightstream cannot check {uri} is "
+            "complete"
+        )
     return set(filled)
 
 
@@ -151,9 +167,11 @@ def _save_worker_state(worker: Any, directory: str, max_file_bytes: int) -> None
     emptied = sorted(name for name, parameter in model.named_parameters() if parameter.numel() == 0)
     if emptied:
         raise SaveError(
-            f"{len(emptied)} of the model's parameters are empty after loading ({', '.join(emptied[:4])}, ...): vLLM's CPU backend "
+            f"{len(emptied)} of the model's parameters are empty after loading ({', '.join(emptied[:4])}, ...): vLLM's "
+            "CPU backend "
             f"repacks linear weights out of them, so its state cannot be saved as it serves; load once with "
-            f"--model-loader-extra-config '{{\"save_sharded_state\": \"{directory}\"}}' instead, which saves before repacking"
+            f'--model-loader-extra-config \'{{"save_sharded_state": "{directory}"}}\' instead, which saves before '
+            "repacking"
         )
     _save_model_state(model, directory, max_file_bytes)
 
@@ -164,7 +182,9 @@ def _save_model_state(model: torch.nn.Module, directory: str, max_file_bytes: in
 
     rank, world_size, pattern = _sharded_rank()
     state = ShardedStateLoader._filter_subtensors(model.state_dict())
-    weightstream.save_sharded_state(state, directory, rank=rank, world_size=world_size, pattern=pattern, max_file_bytes=max_file_bytes)
+    weightstream.save_sharded_state(
+        state, directory, rank=rank, world_size=world_size, pattern=pattern, max_file_bytes=max_file_bytes
+    )
 
 
 def _logger() -> Any:

@@ -84,7 +84,11 @@ class WriteRecorder(TorchDispatchMode):
         return [
             name
             for name, tensor in items
-            if tensor.numel() and (tensor.device.type == "meta" or not _covers(merged.get(storage_key(tensor), ([], [])), byte_span(tensor)))
+            if tensor.numel()
+            and (
+                tensor.device.type == "meta"
+                or not _covers(merged.get(storage_key(tensor), ([], [])), byte_span(tensor))
+            )
         ]
 
 

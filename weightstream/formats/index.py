@@ -51,7 +51,9 @@ def parse_index(raw: bytes, file: str) -> ShardIndex:
         raise ShardIndexError(f"{file}: top level is {type(document).__name__}, expected a JSON object")
     weight_map = document.get("weight_map")
     if not isinstance(weight_map, dict):
-        raise ShardIndexError(f"{file}: 'weight_map' is {type(weight_map).__name__}, expected an object of tensor name -> shard file")
+        raise ShardIndexError(
+            f"{file}: 'weight_map' is {type(weight_map).__name__}, expected an object of tensor name -> shard file"
+        )
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
             raise ShardIndexError(f"{file}: weight_map[{name!r}] is {type(shard).__name__}, expected a shard file name")
@@ -70,9 +72,20 @@ def check_shard_name(shard: str, where: str) -> None:
         >>> check_shard_name("%2e%2e/secret.safetensors", "index")
         Traceback (most recent call last):
         ...
-        weightstream.errors.ShardIndexError: index: shard name '%2e%2e/secret.safetensors' is not a plain relative path inside the checkpoint directory
+        weightstream.errors.ShardIndexError: index: shard name '%2e%2e/secret.safetensors' is not a plain relative ...
     """
     for form in (shard, urllib.parse.unquote(shard)):
         parts = form.replace("\\", "/").split("/")
-        if not form or parts[0] == "" or ":" in form or "\x00" in form or "?" in form or "#" in form or ".." in parts or "." in parts:
-            raise ShardIndexError(f"{where}: shard name {shard!r} is not a plain relative path inside the checkpoint directory")
+        if (
+            not form
+            or parts[0] == ""
+            or ":" in form
+            or "\x00" in form
+            or "?" in form
+            or "#" in form
+            or ".." in parts
+            or "." in parts
+        ):
+            raise ShardIndexError(
+                f"{where}: shard name {shard!r} is not a plain relative path inside the checkpoint directory"
+            )

@@ -36,7 +36,8 @@ def _xxh3_128() -> Any:
 
 
 CHECKSUMS: dict[str, Callable[[], Any]] = {"xxh3-128": _xxh3_128, "sha256": hashlib.sha256}
-"""Checksum algorithm -> a fresh hasher (``update(bytes)``, ``hexdigest()``). xxh3-128: about 16 GiB/s on one core here."""
+"""Checksum algorithm -> a fresh hasher (``update(bytes)``, ``hexdigest()``). xxh3-128: about 16 GiB/s on one core
+here."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +108,10 @@ def encode_manifest(manifest: Manifest) -> bytes:
                 "size": entry.size,
                 "checksum": entry.checksum,
                 "header_checksum": entry.header_checksum,
-                "tensors": [{"name": t.name, "offset": t.offset, "nbytes": t.nbytes, "checksum": t.checksum} for t in entry.tensors],
+                "tensors": [
+                    {"name": t.name, "offset": t.offset, "nbytes": t.nbytes, "checksum": t.checksum}
+                    for t in entry.tensors
+                ],
             }
             for entry in manifest.files
         ],
@@ -125,7 +129,10 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     check = _Checker(where)
     check.keys(document, {"format", "version", "pattern", "rank", "world_size", "checksum", "files"}, "the manifest")
     if document["format"] != MANIFEST_FORMAT or document["version"] != MANIFEST_VERSION:
-        raise ManifestError(f"{where}: format {document['format']!r} version {document['version']!r}; this weightstream reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}")
+        raise ManifestError(
+            f"{where}: format {document['format']!r} version {document['version']!r}; this weightstream reads "
+            f"{MANIFEST_FORMAT!r} version {MANIFEST_VERSION}"
+        )
     try:
         pattern = ShardPattern(document["pattern"])
     except ValueError as error:
@@ -147,13 +154,28 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         for index, tensor in enumerate(check.list(entry["tensors"], f"{at}.tensors")):
             where_tensor = f"{at}.tensors[{index}]"
             check.keys(tensor, {"name", "offset", "nbytes", "checksum"}, where_tensor)
-            tensors.append(TensorEntry(check.text(tensor["name"], f"{where_tensor}.name"), check.count(tensor["offset"], f"{where_tensor}.offset"),
-                                       check.count(tensor["nbytes"], f"{where_tensor}.nbytes"), check.text(tensor["checksum"], f"{where_tensor}.checksum")))
+            tensors.append(
+                TensorEntry(
+                    check.text(tensor["name"], f"{where_tensor}.name"),
+                    check.count(tensor["offset"], f"{where_tensor}.offset"),
+                    check.count(tensor["nbytes"], f"{where_tensor}.nbytes"),
+                    check.text(tensor["checksum"], f"{where_tensor}.checksum"),
+                )
+            )
         name = check.text(entry["name"], f"{at}.name")
         if pattern.parse(name) != (rank, number):
-            raise ManifestError(f"{where}: {at} is {name!r}, but part {number} of {rank!r} is {pattern.name(rank, number)!r}")
-        files.append(FileEntry(name, check.count(entry["size"], f"{at}.size"), check.text(entry["checksum"], f"{at}.checksum"),
-                               check.text(entry["header_checksum"], f"{at}.header_checksum"), tuple(tensors)))
+            raise ManifestError(
+                f"{where}: {at} is {name!r}, but part {number} of {rank!r} is {pattern.name(rank, number)!r}"
+            )
+        files.append(
+            FileEntry(
+                name,
+                check.count(entry["size"], f"{at}.size"),
+                check.text(entry["checksum"], f"{at}.checksum"),
+                check.text(entry["header_checksum"], f"{at}.header_checksum"),
+                tuple(tensors),
+            )
+        )
     return Manifest(pattern.pattern, rank, world_size, document["checksum"], tuple(files))
 
 
@@ -168,7 +190,9 @@ class _Checker:
             raise ManifestError(f"{self.where}: {what} must be an object, got {type(value).__name__}")
         if set(value) != expected:
             missing, extra = sorted(expected - set(value)), sorted(set(value) - expected)
-            raise ManifestError(f"{self.where}: {what} " + (f"lacks {missing[0]!r}" if missing else f"has the unknown key {extra[0]!r}"))
+            raise ManifestError(
+                f"{self.where}: {what} " + (f"lacks {missing[0]!r}" if missing else f"has the unknown key {extra[0]!r}")
+            )
 
     def list(self, value: object, what: str) -> list:
         if not isinstance(value, list):

@@ -117,7 +117,9 @@ def parse_header(raw: bytes, file_size: int, file: str) -> Header:
     """
     document = _decode(raw, file)
     metadata = _metadata(document.pop(METADATA_KEY, {}), file)
-    entries = tuple(_entry(name, document.pop(name), file) for name in list(document))  # each entry's JSON freed as it is read
+    entries = tuple(
+        _entry(name, document.pop(name), file) for name in list(document)
+    )  # each entry's JSON freed as it is read
     data_offset = LENGTH_BYTES + len(raw)
     _check_coverage(entries, file_size - data_offset, data_offset, file)
     return Header(entries=entries, metadata=metadata, data_offset=data_offset)
@@ -126,7 +128,9 @@ def parse_header(raw: bytes, file_size: int, file: str) -> Header:
 def _decode(raw: bytes, file: str) -> dict[str, Any]:
     nul = raw.find(b"\x00")
     if nul >= 0:
-        raise HeaderError(f"{file}: header contains a NUL byte at file offset {LENGTH_BYTES + nul} (padding must be spaces)")
+        raise HeaderError(
+            f"{file}: header contains a NUL byte at file offset {LENGTH_BYTES + nul} (padding must be spaces)"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -151,7 +155,9 @@ def _metadata(value: object, file: str) -> dict[str, str]:
 def _entry(name: str, value: object, file: str) -> HeaderEntry:
     where = f"tensor {name!r} in {file}"
     if not isinstance(value, dict):
-        raise HeaderError(f"{where}: entry is {type(value).__name__}, expected an object with dtype, shape, data_offsets")
+        raise HeaderError(
+            f"{where}: entry is {type(value).__name__}, expected an object with dtype, shape, data_offsets"
+        )
     if set(value) != ENTRY_KEYS:
         missing, extra = sorted(ENTRY_KEYS - set(value)), sorted(set(value) - ENTRY_KEYS)
         raise HeaderError(f"{where}: entry keys missing {missing}, unexpected {extra}")
@@ -159,9 +165,14 @@ def _entry(name: str, value: object, file: str) -> HeaderEntry:
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise HeaderError(f"{where}: unknown dtype {dtype_name!r}; known: {', '.join(DTYPES)}")
     if isinstance(shape, list) and len(shape) > MAX_DIMENSIONS:
-        raise HeaderError(f"{where}: shape has {len(shape)} dimensions, more than the {MAX_DIMENSIONS} weightstream accepts")
+        raise HeaderError(
+            f"{where}: shape has {len(shape)} dimensions, more than the {MAX_DIMENSIONS} weightstream accepts"
+        )
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise HeaderError(f"{where}: shape {_shown(shape) if isinstance(shape, list) else repr(shape)[:200]} is not a list of non-negative integers")
+        raise HeaderError(
+            f"{where}: shape {_shown(shape) if isinstance(shape, list) else repr(shape)[:200]} is not a list of "
+            "non-negative integers"
+        )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
         raise HeaderError(f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers")
     begin, end = offsets
@@ -171,7 +182,9 @@ def _entry(name: str, value: object, file: str) -> HeaderEntry:
     for dimension in shape:
         elements *= dimension
         if elements > MAX_ELEMENTS:
-            raise HeaderError(f"{where}: shape {_shown(shape)} has more than 2**63 - 1 elements, more than fit in 64 bits")
+            raise HeaderError(
+                f"{where}: shape {_shown(shape)} has more than 2**63 - 1 elements, more than fit in 64 bits"
+            )
     expected = _nbytes(dtype_name, shape, elements, where)
     if end - begin != expected:
         raise HeaderError(
@@ -185,7 +198,9 @@ def _entry(name: str, value: object, file: str) -> HeaderEntry:
 def _nbytes(dtype_name: str, shape: list[int], elements: int, where: str) -> int:
     if dtype_name in PACKED_PAIRS:
         if not shape or shape[-1] % 2:
-            raise HeaderError(f"{where}: {dtype_name} packs two values per byte; the last dimension of {_shown(shape)} must be even")
+            raise HeaderError(
+                f"{where}: {dtype_name} packs two values per byte; the last dimension of {_shown(shape)} must be even"
+            )
         return elements // 2
     return elements * DTYPES[dtype_name].itemsize
 
@@ -195,12 +210,19 @@ def _check_coverage(entries: tuple[HeaderEntry, ...], data_bytes: int, data_offs
     reached = 0
     previous = None
     for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
-        span = f"data_offsets [{entry.begin}, {entry.end}] (file bytes {data_offset + entry.begin}..{data_offset + entry.end})"
+        first, end = data_offset + entry.begin, data_offset + entry.end
+        span = f"data_offsets [{entry.begin}, {entry.end}] (file bytes {first}..{end})"
         if entry.begin < reached:
-            raise HeaderError(f"tensor {entry.name!r} in {file}: {span} overlap the previous tensor {previous!r}, which ends at {reached}")
+            raise HeaderError(
+                f"tensor {entry.name!r} in {file}: {span} overlap the previous tensor {previous!r}, which ends at "
+                f"{reached}"
+            )
         if entry.begin > reached:
             after = f"after tensor {previous!r}" if previous is not None else "at the start of the data"
-            raise HeaderError(f"tensor {entry.name!r} in {file}: {span} leave a gap of {entry.begin - reached} bytes {after} (expected begin {reached})")
+            raise HeaderError(
+                f"tensor {entry.name!r} in {file}: {span} leave a gap of {entry.begin - reached} bytes {after} "
+                f"(expected begin {reached})"
+            )
         if entry.end > data_bytes:
             raise TruncatedFileError(
                 f"tensor {entry.name!r} in {file}: {span} end past the end of the file "
@@ -281,6 +303,10 @@ def read_header(source: Source) -> Header:
     length = header_length(probe, size, source.uri)
     end = LENGTH_BYTES + length
     with PARSE_BUDGET.admit(length):
-        raw = probe[LENGTH_BYTES:end] if end <= len(probe) else probe[LENGTH_BYTES:] + source.read(len(probe), end - len(probe))
+        raw = (
+            probe[LENGTH_BYTES:end]
+            if end <= len(probe)
+            else probe[LENGTH_BYTES:] + source.read(len(probe), end - len(probe))
+        )
         del probe
         return parse_header(raw, size, source.uri)

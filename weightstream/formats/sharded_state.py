@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Union
 
 from weightstream.errors import InvalidOptionError
 
@@ -21,7 +20,7 @@ PP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 KNOWN_PATTERNS = (DEFAULT_PATTERN, PP_PATTERN)
 """What a directory without a manifest is tried against, in this order."""
 
-Rank = Union[int, tuple[int, int]]
+Rank = int | tuple[int, int]
 """``{rank}``: the rank; ``{pp_rank}``/``{tp_rank}``: (pp_rank, tp_rank). World sizes take the same shapes."""
 
 _FIELDS = {"rank", "pp_rank", "tp_rank", "part"}
@@ -51,19 +50,38 @@ class ShardPattern:
         except ValueError as error:
             raise InvalidOptionError(f"shard pattern {pattern!r} is not a format string: {error}") from None
         fields = [field for _, field, _, _ in parsed if field is not None]
-        decorated = [f"{{{field}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}"
-                     for _, field, spec, conversion in parsed if field is not None and (spec or conversion)]
+        decorated = [
+            f"{{{field}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}"
+            for _, field, spec, conversion in parsed
+            if field is not None and (spec or conversion)
+        ]
         if decorated:
-            raise InvalidOptionError(f"shard pattern {pattern!r} uses {decorated[0]}; placeholders take no format spec or conversion")
+            raise InvalidOptionError(
+                f"shard pattern {pattern!r} uses {decorated[0]}; placeholders take no format spec or conversion"
+            )
         unknown = sorted(set(fields) - _FIELDS)
         if unknown:
-            raise InvalidOptionError(f"shard pattern {pattern!r} uses {{{unknown[0]}}}; the placeholders are {{rank}} or {{pp_rank}} and {{tp_rank}}, and {{part}}")
+            raise InvalidOptionError(
+                f"shard pattern {pattern!r} uses {{{unknown[0]}}}; the placeholders are {{rank}} or {{pp_rank}} and "
+                f"{{tp_rank}}, and {{part}}"
+            )
         if fields.count("part") != 1 or len(fields) != len(set(fields)):
-            raise InvalidOptionError(f"shard pattern {pattern!r} must use {{part}} once and each placeholder at most once")
-        if "rank" in fields and {"pp_rank", "tp_rank"} & set(fields) or ("rank" not in fields and not {"pp_rank", "tp_rank"} <= set(fields)):
-            raise InvalidOptionError(f"shard pattern {pattern!r} must use either {{rank}} or both {{pp_rank}} and {{tp_rank}}")
+            raise InvalidOptionError(
+                f"shard pattern {pattern!r} must use {{part}} once and each placeholder at most once"
+            )
+        if (
+            "rank" in fields
+            and {"pp_rank", "tp_rank"} & set(fields)
+            or ("rank" not in fields and not {"pp_rank", "tp_rank"} <= set(fields))
+        ):
+            raise InvalidOptionError(
+                f"shard pattern {pattern!r} must use either {{rank}} or both {{pp_rank}} and {{tp_rank}}"
+            )
         if "/" in pattern or pattern.startswith(".") or not pattern.endswith(".safetensors"):
-            raise InvalidOptionError(f"shard pattern {pattern!r} must name a .safetensors file in the directory itself (no '/', no leading '.')")
+            raise InvalidOptionError(
+                f"shard pattern {pattern!r} must name a .safetensors file in the directory itself (no '/', no leading "
+                "'.')"
+            )
         self.pattern = pattern
         self.pipelined = "rank" not in fields
         regex = ""
@@ -77,10 +95,15 @@ class ShardPattern:
         """``rank`` (or a world size) in the shape this pattern needs, or ``InvalidOptionError``."""
         if self.pipelined:
             if not (isinstance(rank, tuple) and is_rank(rank)):
-                raise InvalidOptionError(f"{what} must be a (pp, tp) pair of non-negative integers for pattern {self.pattern!r}, got {rank!r}")
+                raise InvalidOptionError(
+                    f"{what} must be a (pp, tp) pair of non-negative integers for pattern {self.pattern!r}, got "
+                    f"{rank!r}"
+                )
             return rank
         if not _is_index(rank):
-            raise InvalidOptionError(f"{what} must be a non-negative integer for pattern {self.pattern!r}, got {rank!r}")
+            raise InvalidOptionError(
+                f"{what} must be a non-negative integer for pattern {self.pattern!r}, got {rank!r}"
+            )
         return rank
 
     def name(self, rank: Rank, part: int) -> str:
@@ -114,7 +137,9 @@ def check_in_world(rank: Rank, world_size: Rank) -> None:
         weightstream.errors.InvalidOptionError: rank 2 is not in a world of size 2
     """
     if isinstance(rank, tuple) != isinstance(world_size, tuple):
-        raise InvalidOptionError(f"rank {rank!r} and world_size {world_size!r} must both be integers or both (pp, tp) pairs")
+        raise InvalidOptionError(
+            f"rank {rank!r} and world_size {world_size!r} must both be integers or both (pp, tp) pairs"
+        )
     if not in_world(rank, world_size):
         raise InvalidOptionError(f"{describe(rank)} is not in a world of size {world_size!r}")
 

@@ -58,8 +58,11 @@ def _check_text(value: Any, error: type[FormatError], where: str) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as bad:
-                raise error(f"{where} holds a string with a lone surrogate (U+{ord(value[bad.start]):04X}) at character {bad.start}: "
-                            f"not valid Unicode text") from None
+                raise error(
+                    f"{where} holds a string with a lone surrogate (U+{ord(value[bad.start]):04X}) at character "
+                    f"{bad.start}: "
+                    f"not valid Unicode text"
+                ) from None
     elif isinstance(value, list):
         for item in value:
             if isinstance(item, (str, list)):

@@ -40,7 +40,9 @@ def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> int:
+def write_safetensors(
+    path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> int:
     """Write ``tensors`` (CPU) to ``path`` in the given order; returns the file size.
 
     Example:
@@ -51,8 +53,7 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.
     with open(path, "wb") as file:
         file.write(header)
         for tensor in tensors.values():
-            for piece in tensor_pieces(tensor):
-                file.write(piece)
+            file.writelines(tensor_pieces(tensor))
         return file.tell()
 
 

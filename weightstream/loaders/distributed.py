@@ -72,16 +72,23 @@ def _group_of(opts: LoadOptions) -> ProcessGroup | None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise InvalidOptionError("the distributed loader needs torch.distributed initialised (init_process_group) on every rank")
+        raise InvalidOptionError(
+            "the distributed loader needs torch.distributed initialised (init_process_group) on every rank"
+        )
     kind = torch.device(opts.device).type
     group = opts.own(DistributedOptions).process_group
     backend = dist.get_backend(group)  # "gloo", "nccl", or per device: "cpu:gloo,cuda:nccl"
     if TRANSPORTS[kind] not in {part.rsplit(":", 1)[-1] for part in backend.split(",")}:
-        raise InvalidOptionError(f"the distributed loader shares {kind.upper()} tensors over {TRANSPORTS[kind]}; the process group's backend is {backend!r}")
+        raise InvalidOptionError(
+            f"the distributed loader shares {kind.upper()} tensors over {TRANSPORTS[kind]}; the process group's "
+            f"backend is {backend!r}"
+        )
     return group
 
 
-def _read(store: Store, plan: LoadPlan, opts: LoadOptions, group: ProcessGroup | None, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _read(
+    store: Store, plan: LoadPlan, opts: LoadOptions, group: ProcessGroup | None, pinned: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     stats = opts.own(DistributedOptions).stats
     if torch.device(opts.device).type == "cuda":
         from weightstream.memory.cuda import CudaStaging

@@ -82,14 +82,20 @@ class LayeredLoader:
     (``copy_layers=True``)."""
 
     def check(self, opts: LoadOptions) -> None:
-        opts.refuse({"zero_copy": "maps whole files, while this loader reads into buffers it reuses; use format='safetensors'"})
+        opts.refuse(
+            {"zero_copy": "maps whole files, while this loader reads into buffers it reuses; use format='safetensors'"}
+        )
         if opts.gds is True:
-            raise InvalidOptionError("gds=True: the layered loader reaches a GPU through the pinned staging ring, not cuFile")
+            raise InvalidOptionError(
+                "gds=True: the layered loader reaches a GPU through the pinned staging ring, not cuFile"
+            )
         check_destination(opts.device, opts.pin_memory)
 
     def plan(self, store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
         plan = plan_checkpoint(store, uri, opts)
-        group_layers(plan.tensors, opts.own(LayeredOptions).rule)  # a rule that fails on a name fails here, before any read
+        group_layers(
+            plan.tensors, opts.own(LayeredOptions).rule
+        )  # a rule that fails on a name fails here, before any read
         return plan
 
     def iter_layers(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, Tensors]]:
@@ -103,7 +109,9 @@ class LayeredLoader:
         return _one_by_one(self.iter_layers(store, plan, opts))
 
 
-def _read(store: Store, plan: LoadPlan, layers: list[Layer], opts: LoadOptions, pinned: bool) -> Iterator[tuple[str, Tensors]]:
+def _read(
+    store: Store, plan: LoadPlan, layers: list[Layer], opts: LoadOptions, pinned: bool
+) -> Iterator[tuple[str, Tensors]]:
     staging = None
     if torch.device(opts.device).type == "cuda":
         from weightstream.memory.cuda import CudaStaging
@@ -111,7 +119,9 @@ def _read(store: Store, plan: LoadPlan, layers: list[Layer], opts: LoadOptions, 
         if opts.gds == "auto":
             log.info("gds='auto': the layered loader reads through the staging ring")
         staging = CudaStaging(opts.device)
-    yield from read_layers(store, plan, layers, opts, opts.own(LayeredOptions).reading(), pinned=pinned, staging=staging)
+    yield from read_layers(
+        store, plan, layers, opts, opts.own(LayeredOptions).reading(), pinned=pinned, staging=staging
+    )
 
 
 def _one_by_one(layers: Iterator[tuple[str, Tensors]]) -> Iterator[tuple[str, torch.Tensor]]:

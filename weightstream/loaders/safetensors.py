@@ -50,6 +50,10 @@ def plan_checkpoint(store: Store, uri: str, opts: LoadOptions, checkpoint: Check
 
 def _check_remote_options(uri: str, opts: LoadOptions) -> None:
     """Options that only mean something for local files are refused for objects, not ignored."""
-    for name, meaningless in (("direct_io", opts.direct_io is True), ("zero_copy", opts.zero_copy), ("gds", opts.gds is True)):
+    for name, meaningless in (
+        ("direct_io", opts.direct_io is True),
+        ("zero_copy", opts.zero_copy),
+        ("gds", opts.gds is True),
+    ):
         if meaningless:
             raise InvalidOptionError(f"{name}={getattr(opts, name)!r}: {uri} is an object, not a local file")

@@ -86,7 +86,9 @@ class ShardedStateLoader:
 
     def check(self, opts: LoadOptions) -> None:
         if opts.own(ShardedStateOptions).verify and torch.device(opts.device).type == "cuda":
-            raise InvalidOptionError("verify=True checks bytes on the host: load to the CPU (or pinned memory), then move them")
+            raise InvalidOptionError(
+                "verify=True checks bytes on the host: load to the CPU (or pinned memory), then move them"
+            )
         check_destination(opts.device, opts.pin_memory)
         _rank_of(opts)
 
@@ -97,13 +99,18 @@ class ShardedStateLoader:
         if manifest is not None:
             _check_against_manifest(store, plan, manifest, paths)
         elif opts.own(ShardedStateOptions).verify:
-            raise InvalidOptionError(f"verify=True: {uri} has no manifest for this rank, so no checksums to verify against")
+            raise InvalidOptionError(
+                f"verify=True: {uri} has no manifest for this rank, so no checksums to verify against"
+            )
         return ShardedStatePlan(plan.uri, plan.files, plan.tensors, manifest)
 
     def iter_weights(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         check_destination(opts.device, opts.pin_memory)
         if not isinstance(plan, ShardedStatePlan):
-            raise InvalidOptionError(f"{plan.uri}: the sharded-state loader reads the plans it made (with their manifest), not a {type(plan).__name__}")
+            raise InvalidOptionError(
+                f"{plan.uri}: the sharded-state loader reads the plans it made (with their manifest), not a "
+                f"{type(plan).__name__}"
+            )
         return _read(store, plan, opts, plan.manifest)
 
 
@@ -148,14 +155,22 @@ def rank_files(
         if parsed is None:
             continue
         if world_size is not None and not in_world(parsed[0], world_size):
-            raise ManifestError(f"{uri}: {name} belongs to {describe(parsed[0])}, outside the world size {world_size!r} this load runs with")
+            raise ManifestError(
+                f"{uri}: {name} belongs to {describe(parsed[0])}, outside the world size {world_size!r} this load runs "
+                "with"
+            )
         if parsed[0] == rank:
             parts[parsed[1]] = name
     if not parts:
-        raise NotFound(f"{uri}: no file of {describe(rank)} named like {pattern.pattern!r}, and no {manifest_name(rank)}")
+        raise NotFound(
+            f"{uri}: no file of {describe(rank)} named like {pattern.pattern!r}, and no {manifest_name(rank)}"
+        )
     missing = sorted(set(range(max(parts) + 1)) - set(parts))
     if missing:
-        raise ManifestError(f"{uri}: {describe(rank)} has parts up to {max(parts)} but not part {missing[0]} ({pattern.name(rank, missing[0])})")
+        raise ManifestError(
+            f"{uri}: {describe(rank)} has parts up to {max(parts)} but not part {missing[0]} "
+            f"({pattern.name(rank, missing[0])})"
+        )
     return [store.join(uri, parts[number]) for number in sorted(parts)], None
 
 
@@ -185,13 +200,18 @@ def _only_rank(store: Store, uri: str, names: set[str], opts: ShardedStateOption
             if manifest.world_size == world:
                 return single
     ranks = set()
-    for pattern in [ShardPattern(opts.shard_pattern)] if opts.shard_pattern else [ShardPattern(DEFAULT_PATTERN), ShardPattern(PP_PATTERN)]:
+    for pattern in (
+        [ShardPattern(opts.shard_pattern)]
+        if opts.shard_pattern
+        else [ShardPattern(DEFAULT_PATTERN), ShardPattern(PP_PATTERN)]
+    ):
         ranks |= {parsed[0] for parsed in map(pattern.parse, names) if parsed is not None}
     if len(ranks) == 1 and next(iter(ranks)) in (0, (0, 0)):
         return next(iter(ranks))
     shown = ", ".join(describe(rank) for rank in sorted(ranks, key=str)[:4]) or "none"
     raise InvalidOptionError(
-        f"{uri}: the sharded-state loader reads one rank's files (ranks here: {shown}): pass rank= (and world_size=), or initialise torch.distributed"
+        f"{uri}: the sharded-state loader reads one rank's files (ranks here: {shown}): pass rank= (and world_size=), "
+        "or initialise torch.distributed"
     )
 
 
@@ -205,28 +225,42 @@ def _read_manifest(store: Store, path: str) -> Manifest:
 
 
 def _files_of_manifest(
-    store: Store, uri: str, names: set[str], manifest: Manifest, rank: Rank, world_size: Rank | None, opts: ShardedStateOptions
+    store: Store,
+    uri: str,
+    names: set[str],
+    manifest: Manifest,
+    rank: Rank,
+    world_size: Rank | None,
+    opts: ShardedStateOptions,
 ) -> list[str]:
     where = store.join(uri, manifest_name(rank))
     if manifest.rank != rank:
         raise ManifestError(f"{where}: written for {describe(manifest.rank)}, found as {describe(rank)}'s manifest")
     if world_size is not None and manifest.world_size != world_size:
-        raise ManifestError(f"{where}: saved for a world size of {manifest.world_size!r}; this load runs with {world_size!r}")
+        raise ManifestError(
+            f"{where}: saved for a world size of {manifest.world_size!r}; this load runs with {world_size!r}"
+        )
     if opts.shard_pattern is not None and opts.shard_pattern != manifest.pattern:
         raise ManifestError(f"{where}: files are named {manifest.pattern!r}, not shard_pattern={opts.shard_pattern!r}")
     pattern = ShardPattern(manifest.pattern)
     listed = [entry.name for entry in manifest.files]
     missing = [name for name in listed if name not in names]
     if missing:
-        raise ManifestError(f"{where}: lists {missing[0]}, which is not in {uri} ({len(missing)} of {len(listed)} files missing)")
+        raise ManifestError(
+            f"{where}: lists {missing[0]}, which is not in {uri} ({len(missing)} of {len(listed)} files missing)"
+        )
     for name in sorted(names):
         parsed = pattern.parse(name)
         if parsed is None:
             continue
         if not in_world(parsed[0], manifest.world_size):
-            raise ManifestError(f"{uri}: {name} belongs to {describe(parsed[0])}, outside the saved world size {manifest.world_size!r}")
+            raise ManifestError(
+                f"{uri}: {name} belongs to {describe(parsed[0])}, outside the saved world size {manifest.world_size!r}"
+            )
         if parsed[0] == rank and name not in listed:
-            raise ManifestError(f"{uri}: {name} is a file of {describe(rank)} that {where} does not list (an extra file)")
+            raise ManifestError(
+                f"{uri}: {name} is a file of {describe(rank)} that {where} does not list (an extra file)"
+            )
     return [store.join(uri, name) for name in listed]
 
 
@@ -236,16 +270,21 @@ def _check_against_manifest(store: Store, plan: LoadPlan, manifest: Manifest, pa
     in_plan = {(spec.file, spec.name): spec for spec in plan.tensors}
     for path, entry in zip(paths, manifest.files, strict=True):
         if sizes[path] != entry.size:
-            raise ManifestError(f"{path}: {sizes[path]} bytes, the manifest says {entry.size} (the file changed after the save)")
+            raise ManifestError(
+                f"{path}: {sizes[path]} bytes, the manifest says {entry.size} (the file changed after the save)"
+            )
         for tensor in entry.tensors:
             spec = in_plan.get((path, tensor.name))
             if spec is not None and (spec.offset, spec.nbytes) != (tensor.offset, tensor.nbytes):
                 raise ManifestError(
-                    f"{path}: tensor {tensor.name!r} is at bytes {spec.offset}-{spec.end}, the manifest says {tensor.offset}-{tensor.offset + tensor.nbytes}"
+                    f"{path}: tensor {tensor.name!r} is at bytes {spec.offset}-{spec.end}, the manifest says "
+                    f"{tensor.offset}-{tensor.offset + tensor.nbytes}"
                 )
 
 
-def _read(store: Store, plan: LoadPlan, opts: LoadOptions, manifest: Manifest | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _read(
+    store: Store, plan: LoadPlan, opts: LoadOptions, manifest: Manifest | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Read the plan (checking every tensor with ``verify``); with a manifest, check at the end that the
     rank was not saved again meanwhile: the manifest a save rewrites must be the one planned."""
     if manifest is None:
@@ -269,9 +308,13 @@ def _check_same_save(store: Store, uri: str, manifest: Manifest) -> None:
     try:
         now = _read_manifest(store, path)
     except (NotFound, ManifestError) as error:
-        raise SourceChangedError(f"{uri}: {describe(manifest.rank)} was being saved again while it loaded ({error}); load again") from None
+        raise SourceChangedError(
+            f"{uri}: {describe(manifest.rank)} was being saved again while it loaded ({error}); load again"
+        ) from None
     if now != manifest:
-        raise SourceChangedError(f"{uri}: {describe(manifest.rank)} was saved again while it loaded (its manifest changed); load again")
+        raise SourceChangedError(
+            f"{uri}: {describe(manifest.rank)} was saved again while it loaded (its manifest changed); load again"
+        )
 
 
 def _checksums_by_tensor(plan: LoadPlan, manifest: Manifest) -> dict[str, tuple[str, int, int, str]]:

@@ -30,7 +30,9 @@ class StreamingOptions:
 
     def __post_init__(self) -> None:
         if self.max_inflight_bytes is not None and (not is_int(self.max_inflight_bytes) or self.max_inflight_bytes < 1):
-            raise InvalidOptionError(f"max_inflight_bytes must be a positive integer or None, got {self.max_inflight_bytes!r}")
+            raise InvalidOptionError(
+                f"max_inflight_bytes must be a positive integer or None, got {self.max_inflight_bytes!r}"
+            )
 
 
 class StreamingLoader:
@@ -51,7 +53,8 @@ class StreamingLoader:
         window = opts.own(StreamingOptions).max_inflight_bytes
         if window is not None and opts.chunk_bytes is not None and window < opts.chunk_bytes:
             raise InvalidOptionError(
-                f"max_inflight_bytes={window} is less than chunk_bytes={opts.chunk_bytes}: not even one read request would fit"
+                f"max_inflight_bytes={window} is less than chunk_bytes={opts.chunk_bytes}: not even one read request "
+                "would fit"
             )
         check_destination(opts.device, opts.pin_memory)
 

@@ -32,7 +32,9 @@ def check_destination(device: str, pin_memory: bool | str) -> bool:
                 f"nothing falls back to the CPU: pass device='cpu' to load there"
             )
         if target.index is not None and target.index >= torch.cuda.device_count():
-            raise DeviceUnavailableError(f"device {device!r} requested, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise DeviceUnavailableError(
+                f"device {device!r} requested, but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
         return False
     if pin_memory is True:
         if not cuda_available():
@@ -41,12 +43,17 @@ def check_destination(device: str, pin_memory: bool | str) -> bool:
                 f"sees no CUDA device; use pin_memory='auto' to pin only where CUDA is present"
             )
         if not pinning.pinning_available():
-            raise DeviceUnavailableError(f"pin_memory=True needs cuda-python's runtime bindings; {pinning.INSTALL_HINT}")
+            raise DeviceUnavailableError(
+                f"pin_memory=True needs cuda-python's runtime bindings; {pinning.INSTALL_HINT}"
+            )
         return True
     if pin_memory == "auto" and cuda_available():
         if pinning.pinning_available():
             return True
-        log.info("pin_memory='auto': CUDA is present but cuda-python is not, so CPU tensors are pageable; %s", pinning.INSTALL_HINT)
+        log.info(
+            "pin_memory='auto': CUDA is present but cuda-python is not, so CPU tensors are pageable; %s",
+            pinning.INSTALL_HINT,
+        )
     return False
 
 
@@ -59,18 +66,23 @@ def check_fits(nbytes: int, device: str, what: str) -> None:
         >>> check_fits(2**50, "cpu", "model.safetensors")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        weightstream.errors.HostMemoryError: model.safetensors: needs 1125899906842624 bytes of memory at once, more than this machine has (...)
+        weightstream.errors.HostMemoryError: model.safetensors: needs 1125899906842624 bytes of memory at once, ...
     """
     target = torch.device(device)
     if target.type == "cuda":
         index = target.index if target.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(index).total_memory
         if nbytes > total:
-            raise DeviceMemoryError(f"{what}: needs {nbytes} bytes of device memory at once, more than {device} has ({total} bytes)")
+            raise DeviceMemoryError(
+                f"{what}: needs {nbytes} bytes of device memory at once, more than {device} has ({total} bytes)"
+            )
         return
     limit = host_memory_limit()
     if nbytes > limit:
-        raise HostMemoryError(f"{what}: needs {nbytes} bytes of memory at once, more than this machine has ({limit} bytes of RAM and swap)")
+        raise HostMemoryError(
+            f"{what}: needs {nbytes} bytes of memory at once, more than this machine has ({limit} bytes of RAM and "
+            "swap)"
+        )
 
 
 def host_memory_limit() -> int:

@@ -33,7 +33,9 @@ def bindings() -> ModuleType:
     try:
         from cuda.bindings import cufile
     except ImportError as error:
-        raise DeviceUnavailableError(f"GPUDirect Storage needs cuda-python's cuFile bindings ({error}); pip install 'weightstream[cuda]'") from None
+        raise DeviceUnavailableError(
+            f"GPUDirect Storage needs cuda-python's cuFile bindings ({error}); pip install 'weightstream[cuda]'"
+        ) from None
     return cufile
 
 
@@ -55,7 +57,10 @@ def unavailable_reason(*, need_nvidia_fs: bool) -> str | None:
         return f"cuFileDriverOpen failed: {error}"
     cufile.driver_close()
     if need_nvidia_fs and not os.path.exists(NVIDIA_FS):
-        return "the nvidia-fs kernel module is not loaded, so cuFile would run in compatibility mode (POSIX reads through bounce buffers)"
+        return (
+            "the nvidia-fs kernel module is not loaded, so cuFile would run in compatibility mode "
+            "(POSIX reads through bounce buffers)"
+        )
     return None
 
 

@@ -92,7 +92,10 @@ class HostArena:
         if _madvise(self._address + start, min(self.nbytes, offset + nbytes) - start, MADV_POPULATE_WRITE) != 0:
             # Kernels before 5.14; the readers then fault the pages themselves.
             self._populate_works = False
-            log.info("madvise(MADV_POPULATE_WRITE) refused (%s); pages fault in as they are written", os.strerror(ctypes.get_errno()))
+            log.info(
+                "madvise(MADV_POPULATE_WRITE) refused (%s); pages fault in as they are written",
+                os.strerror(ctypes.get_errno()),
+            )
 
     def tensor(self, offset: int, spec: TensorSpec) -> torch.Tensor:
         """The tensor ``spec`` whose bytes sit at ``offset``: a view when aligned, else an aligned copy."""

@@ -28,7 +28,9 @@ def _runtime() -> ModuleType:
     try:
         from cuda.bindings import runtime
     except ImportError as error:
-        raise DeviceUnavailableError(f"pinned host memory needs cuda-python's runtime bindings ({error}); {INSTALL_HINT}") from None
+        raise DeviceUnavailableError(
+            f"pinned host memory needs cuda-python's runtime bindings ({error}); {INSTALL_HINT}"
+        ) from None
     return runtime
 
 
@@ -71,7 +73,9 @@ def unregister(address: int) -> None:
     with _counter_lock:
         _registered["current"] -= _sizes.pop(address, 0)
     if status != runtime.cudaError_t.cudaSuccess:
-        warnings.warn(f"cudaHostUnregister at {address:#x} failed: {_describe(runtime, status)}", RuntimeWarning, stacklevel=1)
+        warnings.warn(
+            f"cudaHostUnregister at {address:#x} failed: {_describe(runtime, status)}", RuntimeWarning, stacklevel=1
+        )
 
 
 def registered_bytes() -> tuple[int, int]:

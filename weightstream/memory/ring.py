@@ -131,7 +131,11 @@ class StagingRing:
             engine.close()
             raise
         self._slots = [
-            Slot(number, self._memory.bytes[number * slot_bytes : (number + 1) * slot_bytes], self._memory.view[number * slot_bytes : (number + 1) * slot_bytes])
+            Slot(
+                number,
+                self._memory.bytes[number * slot_bytes : (number + 1) * slot_bytes],
+                self._memory.view[number * slot_bytes : (number + 1) * slot_bytes],
+            )
             for number in range(slots)
         ]
         self._free = collections.deque(self._slots)
@@ -157,7 +161,10 @@ class StagingRing:
 
     def launch(self, slot: Slot, nbytes: int, destination: torch.Tensor, start: int = 0) -> CopyHandle:
         """Copy ``nbytes`` of ``slot`` from ``start`` into ``destination``; the slot returns when done."""
-        if not (0 < nbytes and 0 <= start and start + nbytes <= self.slot_bytes) or destination.numel() * destination.element_size() != nbytes:
+        if (
+            not (0 < nbytes and 0 <= start and start + nbytes <= self.slot_bytes)
+            or destination.numel() * destination.element_size() != nbytes
+        ):
             raise ValueError(
                 f"copy of {nbytes} bytes from byte {start} of a {self.slot_bytes}-byte slot "
                 f"into {destination.numel()} x {destination.element_size()} bytes"

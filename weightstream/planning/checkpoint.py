@@ -60,7 +60,9 @@ def find_files(store: Store, uri: str) -> CheckpointFiles:
                 raise NotFound(f"{index_uri}: names shard {shard!r}, which does not exist in {uri}")
             _refuse_pickle(shard_uri)
             shard_uris[shard] = shard_uri
-        return CheckpointFiles(files=tuple(shard_uris.values()), index=index, index_uri=index_uri, shard_uris=shard_uris)
+        return CheckpointFiles(
+            files=tuple(shard_uris.values()), index=index, index_uri=index_uri, shard_uris=shard_uris
+        )
     shards = [name for name in names if name.endswith(SAFETENSORS_SUFFIX) and not store.is_dir(store.join(uri, name))]
     if shards:
         return CheckpointFiles(files=tuple(store.join(uri, name) for name in shards))
@@ -99,7 +101,8 @@ def read_small_file(store: Store, uri: str, limit: int, error: type[FormatError]
     """The whole of a small file (an index, a manifest): ``error`` if it is over ``limit`` bytes.
 
     Example:
-        >>> read_small_file(LocalStore(), "model.safetensors.index.json", 1 << 20, ShardIndexError, "an index")  # doctest: +SKIP
+        >>> index = "model.safetensors.index.json"
+        >>> read_small_file(LocalStore(), index, 1 << 20, ShardIndexError, "an index")  # doctest: +SKIP
     """
     with contextlib.closing(store.open(uri)) as source:
         if source.size > limit:
@@ -107,11 +110,15 @@ def read_small_file(store: Store, uri: str, limit: int, error: type[FormatError]
         return source.read(0, source.size)
 
 
-
 def read_plan(
-    store: Store, uri: str, wants: Callable[[str], bool], required: Collection[str] = (), checkpoint: CheckpointFiles | None = None
+    store: Store,
+    uri: str,
+    wants: Callable[[str], bool],
+    required: Collection[str] = (),
+    checkpoint: CheckpointFiles | None = None,
 ) -> LoadPlan:
-    """Read every header of the checkpoint at ``uri`` (or of ``checkpoint``'s files) and plan the tensors ``wants`` selects.
+    """Read every header of the checkpoint at ``uri`` (or of ``checkpoint``'s files) and plan the tensors ``wants``
+    selects.
 
     ``required`` names must all exist. Headers are validated in full before anything
     else is allocated; the index (if any) must agree with the shards exactly.
@@ -130,17 +137,35 @@ def read_plan(
     if len(checkpoint.files) == 1:
         opened = [_header_of(store, checkpoint.files[0])]
     else:
-        with ThreadPoolExecutor(max_workers=min(HEADER_READERS, len(checkpoint.files)), thread_name_prefix="weightstream-plan") as pool:
+        with ThreadPoolExecutor(
+            max_workers=min(HEADER_READERS, len(checkpoint.files)), thread_name_prefix="weightstream-plan"
+        ) as pool:
             opened = list(pool.map(lambda path: _header_of(store, path), checkpoint.files))
     for path, (source, header) in zip(checkpoint.files, opened, strict=True):
-        files.append(FileSpec(path=path, size=source.size, data_offset=header.data_offset, metadata=header.metadata, version=source.version))
+        files.append(
+            FileSpec(
+                path=path,
+                size=source.size,
+                data_offset=header.data_offset,
+                metadata=header.metadata,
+                version=source.version,
+            )
+        )
         for entry in header.entries:
             if entry.name in seen:
                 raise FormatError(f"tensor {entry.name!r} is in both {seen[entry.name]} and {path}")
             seen[entry.name] = path
             if wants(entry.name):
-                tensors.append(TensorSpec(entry.name, entry.dtype, entry.shape, path,
-                                          header.data_offset + entry.begin, entry.end - entry.begin))
+                tensors.append(
+                    TensorSpec(
+                        entry.name,
+                        entry.dtype,
+                        entry.shape,
+                        path,
+                        header.data_offset + entry.begin,
+                        entry.end - entry.begin,
+                    )
+                )
     if checkpoint.index is not None:
         _check_index(checkpoint, seen)
     missing = sorted(set(required) - set(seen))
@@ -165,4 +190,7 @@ def _check_index(checkpoint: CheckpointFiles, found: dict[str, str]) -> None:
             raise ShardIndexError(f"{index_uri}: lists tensor {name!r} in {shard!r}, but it is in {found[name]}")
     extra = sorted(set(found) - set(index.weight_map))
     if extra:
-        raise ShardIndexError(f"{index_uri}: shard {found[extra[0]]} holds tensor {extra[0]!r}, which the index does not list ({len(extra)} such)")
+        raise ShardIndexError(
+            f"{index_uri}: shard {found[extra[0]]} holds tensor {extra[0]!r}, which the index does not list "
+            f"({len(extra)} such)"
+        )

@@ -35,7 +35,8 @@ DEFAULT_LAYER_PATTERN = re.compile(r"(?:^|\.)layers\.([0-9]+)\.")
 _TRAILING_NUMBER = re.compile(r"([0-9]+)$")
 ASCII_DIGITS = re.compile(r"[0-9]+")
 _EMBEDDING = re.compile(r"emb|^wte$|^wpe$")
-"""Input embeddings, by the key's last component: embed_tokens, tok_embeddings, word_embeddings, rotary_emb, wte, wpe."""
+"""Input embeddings, by the key's last component: embed_tokens, tok_embeddings, word_embeddings, rotary_emb, wte,
+wpe."""
 _HEAD = re.compile(r"head|_out$")
 """Output heads, by the key's last component: lm_head, embed_out (GPT-NeoX), proj_out."""
 
@@ -71,13 +72,19 @@ def compile_rule(rule: object) -> re.Pattern[str] | Callable[[str], str]:
         except re.error as error:
             raise InvalidOptionError(f"layer_rule {rule!r} is not a regular expression: {error}") from None
     if not isinstance(rule, re.Pattern):
-        raise OptionError(f"layer_rule must be a regular expression or a callable name -> key, got {type(rule).__name__}")
+        raise OptionError(
+            f"layer_rule must be a regular expression or a callable name -> key, got {type(rule).__name__}"
+        )
     if rule.groups < 1:
-        raise InvalidOptionError(f"layer_rule {rule.pattern!r} needs a group capturing the layer number, e.g. r'layers\\.(\\d+)\\.'")
+        raise InvalidOptionError(
+            f"layer_rule {rule.pattern!r} needs a group capturing the layer number, e.g. r'layers\\.(\\d+)\\.'"
+        )
     return rule
 
 
-def group_layers(tensors: Sequence[TensorSpec], rule: re.Pattern[str] | Callable[[str], str] | None = None) -> list[Layer]:
+def group_layers(
+    tensors: Sequence[TensorSpec], rule: re.Pattern[str] | Callable[[str], str] | None = None
+) -> list[Layer]:
     """The layers of ``tensors`` (in stored order) under ``rule`` (default: Llama naming), in layer order.
 
     Raises:
@@ -87,7 +94,8 @@ def group_layers(tensors: Sequence[TensorSpec], rule: re.Pattern[str] | Callable
 
     Example:
         >>> import torch
-        >>> names = ["lm_head.weight", "model.layers.1.mlp.w", "model.embed_tokens.weight", "model.norm.weight", "model.layers.0.mlp.w"]
+        >>> names = ["lm_head.weight", "model.layers.1.mlp.w", "model.embed_tokens.weight", "model.norm.weight"]
+        >>> names.append("model.layers.0.mlp.w")
         >>> specs = [TensorSpec(name, torch.uint8, (1,), "f", i, 1) for i, name in enumerate(names)]
         >>> [layer.key for layer in group_layers(specs)]
         ['model.embed_tokens', 'model.layers.0', 'model.layers.1', 'model.norm', 'lm_head']
@@ -111,11 +119,16 @@ def _layer_of(name: str, rule: re.Pattern[str] | Callable[[str], str]) -> tuple[
         if match is None or match.group(1) is None:
             return _module_of(name), None
         if not ASCII_DIGITS.fullmatch(match.group(1)):
-            raise InvalidOptionError(f"layer_rule {rule.pattern!r} captured {match.group(1)[:40]!r} from tensor {name[:200]!r}: not a layer number")
+            raise InvalidOptionError(
+                f"layer_rule {rule.pattern!r} captured {match.group(1)[:40]!r} from tensor {name[:200]!r}: not a layer "
+                "number"
+            )
         return name[: match.end(1)], layer_number(match.group(1))
     key = rule(name)
     if not isinstance(key, str):
-        raise OptionError(f"layer_rule returned {type(key).__name__} for tensor {name!r}; it must return the layer's key, a string")
+        raise OptionError(
+            f"layer_rule returned {type(key).__name__} for tensor {name!r}; it must return the layer's key, a string"
+        )
     if not key:
         raise InvalidOptionError(f"layer_rule returned an empty key for tensor {name!r}")
     trailing = _TRAILING_NUMBER.search(key)

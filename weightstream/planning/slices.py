@@ -73,12 +73,14 @@ def selections(shape: tuple[int, ...], index: object) -> list[Selection]:
         raise IndexError(f"too many indices for a tensor of {len(shape)} dimensions: {given}")
     if ellipses:
         at = parts.index(Ellipsis)
-        parts = parts[:at] + (slice(None),) * (len(shape) - given) + parts[at + 1:]
+        parts = parts[:at] + (slice(None),) * (len(shape) - given) + parts[at + 1 :]
     parts = parts + (slice(None),) * (len(shape) - len(parts))
     return [_selection(part, size, dim) for dim, (part, size) in enumerate(zip(parts, shape, strict=True))]
 
 
-def plan_slice(shape: tuple[int, ...], itemsize: int, index: object, run_cost_bytes: int, max_runs: int = MAX_RUNS) -> SlicePlan:
+def plan_slice(
+    shape: tuple[int, ...], itemsize: int, index: object, run_cost_bytes: int, max_runs: int = MAX_RUNS
+) -> SlicePlan:
     """The reads of ``tensor[index]`` for a C-contiguous tensor of ``shape`` and ``itemsize``.
 
     Example:
@@ -91,7 +93,7 @@ def plan_slice(shape: tuple[int, ...], itemsize: int, index: object, run_cost_by
     result_shape = tuple(selection.count for selection in chosen if not selection.squeeze)
     if any(selection.count == 0 for selection in chosen):
         return SlicePlan((), (0,), (slice(None),), result_shape)
-    strides = [itemsize * math.prod(shape[dim + 1:]) for dim in range(len(shape))]
+    strides = [itemsize * math.prod(shape[dim + 1 :]) for dim in range(len(shape))]
     exact = _exact_level(shape, chosen)
     level = min(range(exact + 1), key=lambda at: (_cost(chosen, strides, itemsize, at, run_cost_bytes, max_runs), -at))
     runs = _merged(_runs(chosen, strides, itemsize, level))
@@ -99,17 +101,24 @@ def plan_slice(shape: tuple[int, ...], itemsize: int, index: object, run_cost_by
     view_index: list[int | slice] = [0 if selection.squeeze else slice(None) for selection in chosen[:level]]
     if level < len(shape):
         selection = chosen[level]
-        read_shape += ((selection.count - 1) * selection.step + 1, *shape[level + 1:])
+        read_shape += ((selection.count - 1) * selection.step + 1, *shape[level + 1 :])
         view_index.append(0 if selection.squeeze else slice(None, None, selection.step))
-        for later in chosen[level + 1:]:
-            view_index.append(later.start if later.squeeze else slice(later.start, later.start + (later.count - 1) * later.step + 1, later.step))
+        for later in chosen[level + 1 :]:
+            view_index.append(
+                later.start
+                if later.squeeze
+                else slice(later.start, later.start + (later.count - 1) * later.step + 1, later.step)
+            )
     return SlicePlan(tuple(runs), read_shape, tuple(view_index), result_shape)
 
 
 def _selection(part: object, size: int, dim: int) -> Selection:
     if isinstance(part, slice):
         if part.step is not None and (not _is_int(part.step) or part.step <= 0):
-            raise ValueError(f"dimension {dim}: slice step must be a positive integer (torch has no negative steps), got {part.step!r}")
+            raise ValueError(
+                f"dimension {dim}: slice step must be a positive integer (torch has no negative steps), got "
+                f"{part.step!r}"
+            )
         for bound in (part.start, part.stop):
             if bound is not None and not _is_int(bound):
                 raise TypeError(f"dimension {dim}: slice bounds are integers, got {bound!r}")
@@ -123,7 +132,11 @@ def _selection(part: object, size: int, dim: int) -> Selection:
 
 def _exact_level(shape: tuple[int, ...], chosen: list[Selection]) -> int:
     """The deepest level worth reading at: below it every run would be a whole block anyway."""
-    partial = [dim for dim, selection in enumerate(chosen) if (selection.start, selection.count, selection.step) != (0, shape[dim], 1)]
+    partial = [
+        dim
+        for dim, selection in enumerate(chosen)
+        if (selection.start, selection.count, selection.step) != (0, shape[dim], 1)
+    ]
     if not partial:
         return 0
     last = partial[-1]
@@ -137,7 +150,9 @@ def _span(chosen: list[Selection], strides: list[int], itemsize: int, level: int
     return ((selection.count - 1) * selection.step + 1) * strides[level]
 
 
-def _cost(chosen: list[Selection], strides: list[int], itemsize: int, level: int, run_cost_bytes: int, max_runs: int) -> float:
+def _cost(
+    chosen: list[Selection], strides: list[int], itemsize: int, level: int, run_cost_bytes: int, max_runs: int
+) -> float:
     runs = math.prod(selection.count for selection in chosen[:level])
     if runs > max_runs:
         return math.inf
@@ -148,7 +163,10 @@ def _runs(chosen: list[Selection], strides: list[int], itemsize: int, level: int
     span = _span(chosen, strides, itemsize, level)
     first = chosen[level].start * strides[level] if level < len(chosen) else 0
     outer = [range(s.start, s.start + s.count * s.step, s.step) for s in chosen[:level]]
-    return [(first + sum(i * stride for i, stride in zip(indices, strides, strict=False)), span) for indices in itertools.product(*outer)]
+    return [
+        (first + sum(i * stride for i, stride in zip(indices, strides, strict=False)), span)
+        for indices in itertools.product(*outer)
+    ]
 
 
 def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

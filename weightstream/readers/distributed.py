@@ -129,7 +129,9 @@ def read_distributed(
 
     stats = stats if stats is not None else DistributedStats()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    chunk_bytes = opts.chunk_bytes if opts.chunk_bytes is not None else max(SHARE_CHUNK_BYTES, opts.request_bytes(plan.uri))
+    chunk_bytes = (
+        opts.chunk_bytes if opts.chunk_bytes is not None else max(SHARE_CHUNK_BYTES, opts.request_bytes(plan.uri))
+    )
     if staging is not None:
         chunk_bytes = min(chunk_bytes, opts.staging_slot_bytes)
     device = staging.device if staging is not None else torch.device("cpu")
@@ -147,10 +149,14 @@ def read_distributed(
         cleanup.callback(peers.leave)
         handles = cleanup.enter_context(FileHandles(store, opts))
         sources = [handles.source(files[layout.file]) for layout in layouts]
-        landing = _HostLanding(layouts, sources, opts, pinned) if staging is None else _StagedLanding(layouts, staging, opts)
+        landing = (
+            _HostLanding(layouts, sources, opts, pinned) if staging is None else _StagedLanding(layouts, staging, opts)
+        )
         cleanup.callback(landing.close)  # runs after the readers stopped writing
         readers, stop, futures = start_readers(cleanup, opts)
-        ahead: dict[int, Future] = {}  # chunk number -> this rank's read of it, or the preparing of a peer's chunk's memory
+        ahead: dict[
+            int, Future
+        ] = {}  # chunk number -> this rank's read of it, or the preparing of a peer's chunk's memory
 
         def prepare(number: int) -> None:
             if number < len(chunks):
@@ -177,7 +183,13 @@ def read_distributed(
                 stats.fault_wait_seconds += time.perf_counter() - started
             request = layouts[chunk.file].requests[chunk.request]
             started = time.perf_counter()
-            peers.share(landing.buffers[chunk.file][request.dest_offset : request.dest_offset + request.nbytes], chunk.owner, number, len(chunks), plan.uri)
+            peers.share(
+                landing.buffers[chunk.file][request.dest_offset : request.dest_offset + request.nbytes],
+                chunk.owner,
+                number,
+                len(chunks),
+                plan.uri,
+            )
             stats.share_seconds += time.perf_counter() - started
             if chunk.owner == rank:
                 stats.sent_bytes += chunk.nbytes
@@ -195,7 +207,10 @@ class _HostLanding:
 
     def __init__(self, layouts: list[FileLayout], sources: list[Source], opts: LoadOptions, pinned: bool) -> None:
         self._opts = opts
-        self._arenas = [HostArena(layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=pinned) for layout, source in zip(layouts, sources, strict=True)]
+        self._arenas = [
+            HostArena(layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=pinned)
+            for layout, source in zip(layouts, sources, strict=True)
+        ]
         self.buffers = [arena.bytes for arena in self._arenas]
         """Each file's destination memory, as uint8 tensors."""
 
@@ -265,13 +280,22 @@ class _Peers:
             self._dist.all_reduce(self._status, op=self._dist.ReduceOp.MAX, group=self._group)
             if self._status.item():
                 self.finished = True  # a peer left: no collective follows
-                raise PeerError(f"another rank stopped while loading {uri} (before chunk {number} of {count}); its own error says why")
-            self._dist.broadcast(view, src=self._dist.get_global_rank(self._group, owner) if self._group is not None else owner, group=self._group)
+                raise PeerError(
+                    f"another rank stopped while loading {uri} (before chunk {number} of {count}); its own error says "
+                    "why"
+                )
+            self._dist.broadcast(
+                view,
+                src=self._dist.get_global_rank(self._group, owner) if self._group is not None else owner,
+                group=self._group,
+            )
         except RuntimeError as error:
             if isinstance(error, PeerError):
                 raise
             self.finished = True
-            raise PeerError(f"lost a peer while loading {uri} (chunk {number} of {count}): {str(error).splitlines()[0]}") from None
+            raise PeerError(
+                f"lost a peer while loading {uri} (chunk {number} of {count}): {str(error).splitlines()[0]}"
+            ) from None
         self._between_chunks = True
 
     def leave(self) -> None:
@@ -320,7 +344,8 @@ def plan_digest(plan: LoadPlan, chunks: list[Chunk]) -> int:
     Example:
         >>> from weightstream.planning.plan import FileSpec
         >>> plan = LoadPlan("s3://b/m", (FileSpec("s3://b/m/a.safetensors", 8, 8, {}, '"etag-1"'),), ())
-        >>> plan_digest(plan, []) != plan_digest(dataclasses.replace(plan, files=(FileSpec("s3://b/m/a.safetensors", 8, 8, {}, '"etag-2"'),)), [])
+        >>> replaced = dataclasses.replace(plan, files=(FileSpec("s3://b/m/a.safetensors", 8, 8, {}, '"etag-2"'),))
+        >>> plan_digest(plan, []) != plan_digest(replaced, [])
         True
     """
     import xxhash
@@ -338,5 +363,7 @@ def _check_same_plan(plan: LoadPlan, chunks: list[Chunk], group: Any, device: to
     extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)  # the largest digest, and minus the smallest
     if int(extremes[0]) != digest or int(extremes[1]) != -digest:
-        raise PeerError(f"{plan.uri}: the ranks planned different loads (other files, sizes, versions or filters); every rank must load the same")
-
+        raise PeerError(
+            f"{plan.uri}: the ranks planned different loads (other files, sizes, versions or filters); every rank must "
+            "load the same"
+        )

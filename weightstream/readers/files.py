@@ -14,6 +14,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+from typing_extensions import Self
+
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import FileSpec
 from weightstream.sources.base import Source, Store, check_unchanged
@@ -68,7 +70,7 @@ class FileHandles:
             with self._lock:
                 entry[1] -= 1
 
-    def __enter__(self) -> FileHandles:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:

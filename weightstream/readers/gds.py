@@ -36,7 +36,8 @@ def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator
     """Yield ``(name, tensor)`` for every tensor of ``plan`` on ``device``, read with cuFile.
 
     Example:
-        >>> for name, tensor in read_gds(plan, LoadOptions(device="cuda", gds=True), CudaStaging("cuda")):  # doctest: +SKIP
+        >>> opts = LoadOptions(device="cuda", gds=True)
+        >>> for name, tensor in read_gds(plan, opts, CudaStaging("cuda")):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
     check_fits(plan.total_bytes, opts.device, plan.uri)
@@ -48,24 +49,43 @@ def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator
         destinations = [device.allocate(layout.buffer_bytes, layout.file) for layout in layouts]
         cleanup.callback(destinations.clear)
         addresses = [cleanup.enter_context(gds.registered_buffer(cufile, buffer)) for buffer in destinations]
-        handles = [cleanup.enter_context(gds.registered_file(cufile, layout.file, specs[layout.file].size, specs[layout.file].version)) for layout in layouts]
+        handles = [
+            cleanup.enter_context(
+                gds.registered_file(cufile, layout.file, specs[layout.file].size, specs[layout.file].version)
+            )
+            for layout in layouts
+        ]
         futures: dict[Future, tuple[int, int]] = {}
         cleanup.callback(forget_failures, futures)
         stop = load_stop_flag()
         readers = ThreadPoolExecutor(
-            max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX + "-gds",
-            initializer=torch.cuda.set_device, initargs=(device.device,),
+            max_workers=opts.reader_threads,
+            thread_name_prefix=THREAD_NAME_PREFIX + "-gds",
+            initializer=torch.cuda.set_device,
+            initargs=(device.device,),
         )
         cleanup.callback(readers.shutdown, wait=True, cancel_futures=True)
         cleanup.callback(stop.set)
         for file_number, layout in enumerate(layouts):
             for request_number, request in enumerate(layout.requests):
-                task = readers.submit(_read, cufile, layout.file, handles[file_number], addresses[file_number], request, stop, opts)
+                task = readers.submit(
+                    _read, cufile, layout.file, handles[file_number], addresses[file_number], request, stop, opts
+                )
                 futures[task] = (file_number, request_number)
-        yield from tensors_as_read(layouts, futures, lambda file, tensor: buffer_tensor(layouts[file], destinations[file], tensor))
+        yield from tensors_as_read(
+            layouts, futures, lambda file, tensor: buffer_tensor(layouts[file], destinations[file], tensor)
+        )
 
 
-def _read(cufile: ModuleType, path: str, handle: int, address: int, request: ReadRequest, stop: threading.Event, opts: LoadOptions) -> None:
+def _read(
+    cufile: ModuleType,
+    path: str,
+    handle: int,
+    address: int,
+    request: ReadRequest,
+    stop: threading.Event,
+    opts: LoadOptions,
+) -> None:
     if stop.is_set():
         return
     done = 0
@@ -78,7 +98,9 @@ def _read(cufile: ModuleType, path: str, handle: int, address: int, request: Rea
         if got < 0:  # -errno is raised above; other negative values are cuFile's own error codes
             raise SourceError(f"{span} failed at byte {request.offset + done}: cuFile error {_op_error(cufile, -got)}")
         if got == 0:
-            raise TruncatedFileError(f"{span}: file ends at byte {request.offset + done} (it changed or shrank while loading)")
+            raise TruncatedFileError(
+                f"{span}: file ends at byte {request.offset + done} (it changed or shrank while loading)"
+            )
         done += got
     if opts.progress is not None:
         opts.progress(request.nbytes)

@@ -97,7 +97,8 @@ def layout_layers(layers: Sequence[Layer], paths: Sequence[str], chunk_bytes: in
 
     Example:
         >>> specs = [TensorSpec(f"layers.{i}.w", torch.uint8, (5000,), "f", 8 + 5000 * i, 5000) for i in range(2)]
-        >>> [(layout.key, layout.buffer_bytes) for layout in layout_layers([Layer("a", (specs[0],)), Layer("b", (specs[1],))], ["f"], 8192)]
+        >>> layers = [Layer("a", (specs[0],)), Layer("b", (specs[1],))]
+        >>> [(layout.key, layout.buffer_bytes) for layout in layout_layers(layers, ["f"], 8192)]
         [('a', 8192), ('b', 8192)]
     """
     numbers = {path: number for number, path in enumerate(paths)}
@@ -128,7 +129,8 @@ def read_layers(
     buffers are the staging's memory, reached through the staging ring.
 
     Example:
-        >>> for key, tensors in read_layers(store, plan, group_layers(plan.tensors), LoadOptions(), LayerReading(), pinned=False):  # doctest: +SKIP
+        >>> layers, reading, opts = group_layers(plan.tensors), LayerReading(), LoadOptions()  # doctest: +SKIP
+        >>> for key, tensors in read_layers(store, plan, layers, opts, reading, pinned=False):  # doctest: +SKIP
         ...     model.get_submodule(key).load_state_dict(tensors, strict=False)
     """
     request_bytes = opts.request_bytes(plan.uri)
@@ -156,7 +158,9 @@ def read_layers(
             for part in layouts[number].parts:
                 for request in part.layout.requests:
                     if ring is None:
-                        read = readers.submit(read_into_arena, sources[part.file], request, buffers.arena(buffer), stop, opts, part.base)
+                        read = readers.submit(
+                            read_into_arena, sources[part.file], request, buffers.arena(buffer), stop, opts, part.base
+                        )
                     else:
                         target = buffers.bytes(buffer)[part.base : part.base + part.layout.buffer_bytes]
                         read = readers.submit(stage_request, sources[part.file], request, target, ring, stop, opts)
@@ -175,7 +179,9 @@ def read_layers(
                 keeper.released.put(buffer)
                 held.add(layout.key, None)
             else:
-                alias = torch.from_dlpack(torch.utils.dlpack.to_dlpack(buffers.bytes(buffer)))  # own storage, same memory
+                alias = torch.from_dlpack(
+                    torch.utils.dlpack.to_dlpack(buffers.bytes(buffer))
+                )  # own storage, same memory
                 release = weakref.finalize(alias.untyped_storage(), keeper.released.put, buffer)
                 release.atexit = False
                 tensors = _tensors_over(layout, alias)
@@ -191,7 +197,13 @@ class _Buffers:
     """The reused buffers of one load: host arenas, or memory of the staging's device."""
 
     def __init__(
-        self, layouts: list[LayerLayout], opts: LoadOptions, count: int, sources: list[Source], pinned: bool, staging: Staging | None
+        self,
+        layouts: list[LayerLayout],
+        opts: LoadOptions,
+        count: int,
+        sources: list[Source],
+        pinned: bool,
+        staging: Staging | None,
     ) -> None:
         capacity = max((layout.buffer_bytes for layout in layouts), default=0)
         self._pinned = pinned
@@ -299,7 +311,8 @@ class _HeldLayers:
         self._layers: list[tuple[str, weakref.finalize | None]] = []
 
     def add(self, key: str, release: weakref.finalize | None) -> None:
-        """Layer ``key`` was yielded; ``release`` fires when the caller lets go of it (None: copies, released already)."""
+        """Layer ``key`` was yielded; ``release`` fires when the caller lets go of it (None: copies, released
+        already)."""
         self._layers.append((key, release))
 
     def check(self, number: int, key: str) -> None:
@@ -313,7 +326,8 @@ class _HeldLayers:
             return
         held = [layer for layer, release in self._layers if release is not None and release.alive]
         raise LayerInUseError(
-            f"layer {key!r} needs one of the {self._buffers} buffers of prefetch_layers={self._prefetch}, but tensors of "
+            f"layer {key!r} needs one of the {self._buffers} buffers of prefetch_layers={self._prefetch}, but tensors "
+            "of "
             f"{', '.join(map(repr, held))} are still referenced: when you ask for a layer you may hold at most "
             f"{self._prefetch} earlier one(s); copy what you keep (tensor.clone()) or pass copy_layers=True"
         )
@@ -348,7 +362,10 @@ def _hooked(key: str, tensors: Tensors, hook: LayerHook) -> Tensors:
     if result is None:
         return tensors
     if not isinstance(result, Mapping):
-        raise OptionError(f"layer_hook returned {type(result).__name__} for layer {key!r}; it must return a mapping of names to tensors, or None")
+        raise OptionError(
+            f"layer_hook returned {type(result).__name__} for layer {key!r}; it must return a mapping of names to "
+            "tensors, or None"
+        )
     for name, tensor in result.items():
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise OptionError(

@@ -87,7 +87,9 @@ class StagedLanding:
     def allocate(self, layout: FileLayout, source: Source) -> DeviceBatch:
         return DeviceBatch(self._staging.allocate(layout.buffer_bytes, layout.file))
 
-    def read(self, source: Source, request: ReadRequest, memory: DeviceBatch, stop: threading.Event) -> CopyHandle | None:
+    def read(
+        self, source: Source, request: ReadRequest, memory: DeviceBatch, stop: threading.Event
+    ) -> CopyHandle | None:
         return stage_request(source, request, memory.buffer, self._ring, stop, self._opts)
 
     def landed(self, handle: CopyHandle | None) -> None:
@@ -102,7 +104,12 @@ def staging_ring(staging: Staging, opts: LoadOptions) -> StagingRing:
 
 
 def stage_request(
-    source: Source, request: ReadRequest, destination: torch.Tensor, ring: StagingRing, stop: threading.Event, opts: LoadOptions
+    source: Source,
+    request: ReadRequest,
+    destination: torch.Tensor,
+    ring: StagingRing,
+    stop: threading.Event,
+    opts: LoadOptions,
 ) -> CopyHandle | None:
     """Read ``request`` into a free slot and launch its copy; the slot goes back to the ring either way."""
     if stop.is_set():
@@ -116,7 +123,9 @@ def stage_request(
         read_request(source, request, slot.view, at)
         if opts.progress is not None:
             opts.progress(request.nbytes)
-        handle = ring.launch(slot, request.nbytes, destination[request.dest_offset : request.dest_offset + request.nbytes], start=at)
+        handle = ring.launch(
+            slot, request.nbytes, destination[request.dest_offset : request.dest_offset + request.nbytes], start=at
+        )
         launched = True
         return handle
     finally:

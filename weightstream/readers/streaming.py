@@ -144,11 +144,19 @@ def read_streaming(
     window = window_bytes(plan, opts, max_inflight_bytes)
     check_fits(window, opts.device, plan.uri)
     with contextlib.ExitStack() as cleanup:
-        yield from read_windowed(cleanup, store, plan, opts, HostLanding(opts, pinned=pinned), opts.request_bytes(plan.uri), window)
+        yield from read_windowed(
+            cleanup, store, plan, opts, HostLanding(opts, pinned=pinned), opts.request_bytes(plan.uri), window
+        )
 
 
 def read_windowed(
-    cleanup: contextlib.ExitStack, store: Store, plan: LoadPlan, opts: LoadOptions, landing: Landing, chunk_bytes: int, window: int
+    cleanup: contextlib.ExitStack,
+    store: Store,
+    plan: LoadPlan,
+    opts: LoadOptions,
+    landing: Landing,
+    chunk_bytes: int,
+    window: int,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The window's read loop: batches of ``chunk_bytes`` requests get memory from ``landing`` as they
     enter a window of ``window`` bytes, and leave it with their last yielded tensor. Every resource is
@@ -231,4 +239,3 @@ class _Window:
             del self._unyielded[number], self._waiting[number], self.memories[number]
             self.held -= self.batches[number].layout.buffer_bytes
         return named
-

@@ -63,7 +63,9 @@ def read_request(source: Source, request: ReadRequest, view: memoryview, at: int
         source.read_into(request.offset, view[at : at + request.nbytes])
 
 
-def read_into_arena(source: Source, request: ReadRequest, arena: HostArena, stop: threading.Event, opts: LoadOptions, base: int = 0) -> None:
+def read_into_arena(
+    source: Source, request: ReadRequest, arena: HostArena, stop: threading.Event, opts: LoadOptions, base: int = 0
+) -> None:
     """A reader thread's task: read ``request`` to ``base`` + its place in ``arena``, unless the load stopped.
 
     With ``prefault`` the pages are faulted in on this thread first: an object store's transport writes
@@ -79,7 +81,9 @@ def read_into_arena(source: Source, request: ReadRequest, arena: HostArena, stop
         opts.progress(request.nbytes)
 
 
-def start_readers(cleanup: contextlib.ExitStack, opts: LoadOptions) -> tuple[ThreadPoolExecutor, threading.Event, dict[Future, Any]]:
+def start_readers(
+    cleanup: contextlib.ExitStack, opts: LoadOptions
+) -> tuple[ThreadPoolExecutor, threading.Event, dict[Future, Any]]:
     """The reader threads of one load, a stop flag and the map of their reads, registered with ``cleanup``
     so that on any exit the flag is set, queued reads are cancelled, running ones finish (their memory
     must not vanish under them) and failed readers' frames let go of the load's memory."""

@@ -58,13 +58,19 @@ def split_dimension(name: str, shape: Sequence[int], tp: int, rules: Sequence[Sp
             if dimension is None:
                 return None
             if not -len(shape) <= dimension < len(shape):
-                raise InvalidOptionError(f"tensor {name!r} of shape {tuple(shape)}: rule {pattern!r} splits dimension {dimension}, which it lacks")
+                raise InvalidOptionError(
+                    f"tensor {name!r} of shape {tuple(shape)}: rule {pattern!r} splits dimension {dimension}, which it "
+                    "lacks"
+                )
             if shape[dimension] % tp:
                 raise InvalidOptionError(
-                    f"tensor {name!r} of shape {tuple(shape)}: dimension {dimension} ({shape[dimension]}) does not divide by tp={tp} (rule {pattern!r})"
+                    f"tensor {name!r} of shape {tuple(shape)}: dimension {dimension} ({shape[dimension]}) does not "
+                    f"divide by tp={tp} (rule {pattern!r})"
                 )
             return dimension % len(shape)
-    raise InvalidOptionError(f"tensor {name!r} matches no split rule; add one (e.g. --rule '{re.escape(name)}=0' or '=replicate')")
+    raise InvalidOptionError(
+        f"tensor {name!r} matches no split rule; add one (e.g. --rule '{re.escape(name)}=0' or '=replicate')"
+    )
 
 
 def convert_to_sharded_state(
@@ -96,7 +102,10 @@ def convert_to_sharded_state(
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise InvalidOptionError(f"tp must be a positive integer, got {tp!r}")
     if engine is not None and engine not in engine_naming.ENGINES:
-        raise InvalidOptionError(f"engine must be one of {', '.join(engine_naming.ENGINES)} (or None for the checkpoint's names), got {engine!r}")
+        raise InvalidOptionError(
+            f"engine must be one of {', '.join(engine_naming.ENGINES)} (or None for the checkpoint's names), got "
+            f"{engine!r}"
+        )
     source = os.fspath(source)
     mapped = not source.startswith(REMOTE_SCHEMES)
     if engine is not None:
@@ -109,10 +118,14 @@ def convert_to_sharded_state(
     split = {name: split_dimension(name, tuple(tensor.shape), tp, rules) for name, tensor in weights.items()}
     states = [{name: _slice(tensor, split[name], tp, rank) for name, tensor in weights.items()} for rank in range(tp)]
     if engine is not None:
-        states = [engine_naming.engine_state(state, engine) for state in states]  # checked for every rank before a byte is written
+        states = [
+            engine_naming.engine_state(state, engine) for state in states
+        ]  # checked for every rank before a byte is written
     files = []
     for rank, state in enumerate(states):
-        files += save_sharded_state(state, destination, rank=rank, world_size=tp, max_file_bytes=max_file_bytes, progress=progress)
+        files += save_sharded_state(
+            state, destination, rank=rank, world_size=tp, max_file_bytes=max_file_bytes, progress=progress
+        )
     return {"tp": tp, "files": files, "split": split, "engine": engine}
 
 

@@ -32,8 +32,16 @@ ENGINES = ("vllm", "sglang")
 VOCAB_PADDING = 64
 """Both engines pad the vocabulary of their embedding and head to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)."""
 FUSED = (
-    (re.compile(r"^(?P<module>.*\.self_attn\.)(?P<part>q_proj|k_proj|v_proj)\.(?P<kind>weight|bias)$"), "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-    (re.compile(r"^(?P<module>.*\.mlp\.)(?P<part>gate_proj|up_proj)\.(?P<kind>weight|bias)$"), "gate_up_proj", ("gate_proj", "up_proj")),
+    (
+        re.compile(r"^(?P<module>.*\.self_attn\.)(?P<part>q_proj|k_proj|v_proj)\.(?P<kind>weight|bias)$"),
+        "qkv_proj",
+        ("q_proj", "k_proj", "v_proj"),
+    ),
+    (
+        re.compile(r"^(?P<module>.*\.mlp\.)(?P<part>gate_proj|up_proj)\.(?P<kind>weight|bias)$"),
+        "gate_up_proj",
+        ("gate_proj", "up_proj"),
+    ),
 )
 """(pattern of a part, the fused parameter, its parts in the order the engines stack them)."""
 VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
@@ -54,14 +62,19 @@ def check_heads(source: str, tp: int) -> None:
         with open(path) as file:
             config = json.load(file)
     except (OSError, ValueError) as error:
-        raise InvalidOptionError(f"--engine needs the model's config.json beside the checkpoint ({path}): {error}") from None
+        raise InvalidOptionError(
+            f"--engine needs the model's config.json beside the checkpoint ({path}): {error}"
+        ) from None
     heads = config.get("num_attention_heads")
     kv_heads = config.get("num_key_value_heads", heads)
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
         raise InvalidOptionError(f"{path}: no integer num_attention_heads / num_key_value_heads to split attention by")
     for what, count in (("attention heads", heads), ("key-value heads", kv_heads)):
         if count % tp:
-            raise InvalidOptionError(f"{path}: {count} {what} do not divide by tp={tp} (the engines would replicate them; this converter does not)")
+            raise InvalidOptionError(
+                f"{path}: {count} {what} do not divide by tp={tp} (the engines would replicate them; this converter "
+                "does not)"
+            )
 
 
 def pad_vocabulary(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -90,7 +103,8 @@ def engine_state(state: Mapping[str, torch.Tensor], engine: str) -> dict[str, to
         InvalidOptionError: a fused parameter lacks one of its parts.
 
     Example:
-        >>> rank = {f"m.self_attn.{p}.weight": torch.full((2, 1), i) for i, p in enumerate(("q_proj", "k_proj", "v_proj"))}
+        >>> projections = ("q_proj", "k_proj", "v_proj")
+        >>> rank = {f"m.self_attn.{p}.weight": torch.full((2, 1), i) for i, p in enumerate(projections)}
         >>> engine_state(rank, "sglang")["m.self_attn.qkv_proj.weight"].flatten().tolist()
         [0, 0, 1, 1, 2, 2]
     """
@@ -127,6 +141,8 @@ def fuse(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key, members in groups.items():
         missing = [part for part in orders[key] if part not in members]
         if missing:
-            raise InvalidOptionError(f"{key} fuses {', '.join(orders[key])}, but the checkpoint has no {missing[0]} for it")
+            raise InvalidOptionError(
+                f"{key} fuses {', '.join(orders[key])}, but the checkpoint has no {missing[0]} for it"
+            )
         fused[key] = torch.cat([members[part] for part in orders[key]], dim=0)
     return fused

@@ -111,7 +111,10 @@ def save_sharded_state(
     except SaveError:
         raise
     except OSError as error:
-        failure = SaveError(f"saving {describe(rank)} into {directory} failed: {error.strerror or error} ({error.filename or directory})")
+        failure = SaveError(
+            f"saving {describe(rank)} into {directory} failed: {error.strerror or error} "
+            f"({error.filename or directory})"
+        )
         failure.errno = error.errno
         raise failure from error
     finally:
@@ -130,7 +133,9 @@ def _check_state_dict(state_dict: object) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise OptionError(f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor")
         if tensor.layout is not torch.strided:
-            raise InvalidOptionError(f"state_dict[{name!r}] is a {tensor.layout} tensor; only dense tensors can be saved")
+            raise InvalidOptionError(
+                f"state_dict[{name!r}] is a {tensor.layout} tensor; only dense tensors can be saved"
+            )
 
 
 def _parts(state_dict: Mapping[str, torch.Tensor], max_file_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -148,7 +153,9 @@ def _parts(state_dict: Mapping[str, torch.Tensor], max_file_bytes: int) -> Itera
         yield part
 
 
-def _write_part(path: str, name: str, tensors: dict[str, torch.Tensor], checksum: str, progress: Callable[[int], None] | None) -> FileEntry:
+def _write_part(
+    path: str, name: str, tensors: dict[str, torch.Tensor], checksum: str, progress: Callable[[int], None] | None
+) -> FileEntry:
     """Write one part to ``path`` (a new file), fsync it, and describe it for the manifest."""
     header = encode_header(tensors, {"format": "pt"})
     whole, header_hash = new_hasher(checksum), new_hasher(checksum)
@@ -235,7 +242,10 @@ def _sweep_dead_temporaries(directory: str, shards: ShardPattern, rank: Rank) ->
             continue
         final, _, token = name[1:].rpartition(TEMP_MARK)
         parsed = shards.parse(final)
-        mine = (parsed is not None and parsed[0] == rank) or final in (manifest_name(rank), saving_marker_name(rank).lstrip("."))
+        mine = (parsed is not None and parsed[0] == rank) or final in (
+            manifest_name(rank),
+            saving_marker_name(rank).lstrip("."),
+        )
         pid = token.split("-", 1)[0]
         if mine and pid.isdigit() and not _alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):

@@ -18,7 +18,9 @@ _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 __all__ = ["Source", "Store", "locate", "store_for"]
 
 
-def locate(uri: str, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> tuple[Store, str]:
+def locate(
+    uri: str, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None
+) -> tuple[Store, str]:
     """The store that serves ``uri`` and where in it the checkpoint is: ``uri`` itself, except for an
     ``hf://`` model id, which names the Hugging Face cache's snapshot or the Hub's files at one commit.
 
@@ -58,5 +60,9 @@ def store_for(uri: str, storage_options: Mapping[str, Any] | None = None, policy
 
         return GcsStore(storage_options, policy)
     if scheme[1] == "hf":
-        raise UnsupportedInputError(f"{uri}: an hf:// URI names a model, not a store: open it with weightstream.open or load_weights")
-    raise UnsupportedInputError(f"{uri}: {scheme[1]}:// URIs are not supported; use s3://, gs://, http(s)://, hf://, a local path or file://")
+        raise UnsupportedInputError(
+            f"{uri}: an hf:// URI names a model, not a store: open it with weightstream.open or load_weights"
+        )
+    raise UnsupportedInputError(
+        f"{uri}: {scheme[1]}:// URIs are not supported; use s3://, gs://, http(s)://, hf://, a local path or file://"
+    )

@@ -30,10 +30,13 @@ def require(scheme: str, *distributions: str) -> None:
         try:
             installed = importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError:
-            raise MissingDependencyError(f"{scheme}:// needs {distribution}>={minimum}, which is not installed: {INSTALL_HINTS[scheme]}") from None
+            raise MissingDependencyError(
+                f"{scheme}:// needs {distribution}>={minimum}, which is not installed: {INSTALL_HINTS[scheme]}"
+            ) from None
         if release(installed) < release(minimum):
             raise MissingDependencyError(
-                f"{scheme}:// needs {distribution}>={minimum}; {distribution} {installed} is installed: {INSTALL_HINTS[scheme]}"
+                f"{scheme}:// needs {distribution}>={minimum}; {distribution} {installed} is installed: "
+                f"{INSTALL_HINTS[scheme]}"
             )
 
 

@@ -55,7 +55,8 @@ class Store(Protocol):
         """Open ``uri`` for reading; ``direct`` is ``True``, ``False`` or ``"auto"`` (see ``LoadOptions.direct_io``)."""
 
     def resolve_direct(self, uri: str, direct: bool | str) -> bool:
-        """Whether reads of ``uri`` will go around the page cache, for ``direct`` (``True``, ``False`` or ``"auto"``)."""
+        """Whether reads of ``uri`` will go around the page cache, for ``direct`` (``True``, ``False`` or
+        ``"auto"``)."""
 
     def open_pinned(self, uri: str, size: int, version: str, *, direct: bool | str = False) -> Source:
         """``uri`` at ``version`` (of ``size`` bytes): an object without asking the store again, every read
@@ -66,9 +67,16 @@ class Store(Protocol):
         """Release connections the store holds; idempotent."""
 
 
-def check_unchanged(uri: str, planned_size: int, size_now: int, planned_version: str | None = None, version_now: str | None = None) -> None:
+def check_unchanged(
+    uri: str, planned_size: int, size_now: int, planned_version: str | None = None, version_now: str | None = None
+) -> None:
     """Raise if an object's size (or version) differs from what its header was planned with."""
     if size_now != planned_size:
-        raise SourceChangedError(f"{uri}: is {size_now} bytes now, {planned_size} when its header was read (it changed while loading)")
+        raise SourceChangedError(
+            f"{uri}: is {size_now} bytes now, {planned_size} when its header was read (it changed while loading)"
+        )
     if version_now != planned_version:
-        raise SourceChangedError(f"{uri}: is version {version_now} now, {planned_version} when its header was read (it changed while loading)")
+        raise SourceChangedError(
+            f"{uri}: is version {version_now} now, {planned_version} when its header was read (it changed while "
+            "loading)"
+        )

@@ -44,7 +44,9 @@ class GcsStore(RemoteStore):
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
         # A filesystem of our own per store (not fsspec's shared instance), so that closing the store
         # closes its connections: nothing of a load outlives it. Version-aware, so reads can pin a generation.
-        self.fs = fsspec.filesystem("gcs", **{"version_aware": True, **(storage_options or {}), "skip_instance_cache": True})
+        self.fs = fsspec.filesystem(
+            "gcs", **{"version_aware": True, **(storage_options or {}), "skip_instance_cache": True}
+        )
         super().__init__(policy)
         self._listed: dict[str, dict] = {}
         """URI -> its entry in a listing this store made (a load's snapshot; reads stay pinned to its generations)."""

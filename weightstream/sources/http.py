@@ -95,7 +95,10 @@ class HttpStore(RemoteStore):
         answer = self._head(uri)
         length = answer.getheader("Content-Length")
         if length is None or not CONTENT_LENGTH.fullmatch(length.strip()):
-            raise SourceError(f"{uri}: the server gave no Content-Length of decimal digits ({length!r}), so the file's size is unknown")
+            raise SourceError(
+                f"{uri}: the server gave no Content-Length of decimal digits ({length!r}), so the file's size is "
+                "unknown"
+            )
         etag = answer.getheader("ETag")
         modified = answer.getheader("Last-Modified")
         if etag and not etag.startswith("W/"):
@@ -103,7 +106,10 @@ class HttpStore(RemoteStore):
         elif modified:
             version = LAST_MODIFIED + modified
         else:
-            raise SourceError(f"{uri}: the server gave neither a strong ETag nor Last-Modified, so reads cannot be pinned to one version")
+            raise SourceError(
+                f"{uri}: the server gave neither a strong ETag nor Last-Modified, so reads cannot be pinned to one "
+                "version"
+            )
         return RangeSource(self, uri, int(length), version)
 
     def range_target(self, source: RangeSource) -> RangeTarget:
@@ -112,8 +118,15 @@ class HttpStore(RemoteStore):
         location = self._locations.get(source.uri, source.uri)
         if source.version.startswith(LAST_MODIFIED):
             modified = source.version[len(LAST_MODIFIED) :]
-            return RangeTarget(location, {**self.headers_for(source.uri, location), "If-Unmodified-Since": modified}, "Last-Modified", modified)
-        return RangeTarget(location, {**self.headers_for(source.uri, location), "If-Match": source.version}, "ETag", source.version)
+            return RangeTarget(
+                location,
+                {**self.headers_for(source.uri, location), "If-Unmodified-Since": modified},
+                "Last-Modified",
+                modified,
+            )
+        return RangeTarget(
+            location, {**self.headers_for(source.uri, location), "If-Match": source.version}, "ETag", source.version
+        )
 
     def headers_for(self, uri: str, location: str) -> dict[str, str]:
         """The caller's headers for a request to ``location`` on behalf of ``uri``: without credentials
@@ -145,11 +158,14 @@ class HttpStore(RemoteStore):
             trail.location = urllib.parse.urljoin(trail.location, answer.getheader("Location"))
 
     def _head(self, uri: str, missing_ok: bool = False) -> http.client.HTTPResponse | None:
-        """The ``HEAD`` answer for ``uri`` after redirects (retried like ranges), or None if missing and ``missing_ok``."""
+        """The ``HEAD`` answer for ``uri`` after redirects (retried like ranges), or None if missing and
+        ``missing_ok``."""
         trail = RedirectTrail(uri)
 
         def attempt() -> http.client.HTTPResponse | None:
-            answer, _ = self.redirected(uri, lambda location, headers: (self.ranges.head(location, headers), b""), trail)
+            answer, _ = self.redirected(
+                uri, lambda location, headers: (self.ranges.head(location, headers), b""), trail
+            )
             if answer.status == 200:
                 self._locations[uri] = trail.location
                 return answer

@@ -71,7 +71,9 @@ class RangeClient:
         self._closed = False
         self._tls: ssl.SSLContext | None = None
 
-    def get_into(self, target: RangeTarget, size: int, start: int, buffer: memoryview, received: list[int], span: str) -> None:
+    def get_into(
+        self, target: RangeTarget, size: int, start: int, buffer: memoryview, received: list[int], span: str
+    ) -> None:
         """GET bytes ``start + received[0]`` .. ``start + len(buffer)`` of ``target`` (an object of ``size``
         bytes) into ``buffer[received[0]:]``.
 
@@ -88,13 +90,20 @@ class RangeClient:
             _check_version(response, span, target)
             self._read_body(response, connection, buffer, received, span)
 
-        self._exchange("GET", target.url, {**target.headers, "Range": f"bytes={first}-{last}"}, land,
-                       lambda: f"after {received[0]} of {len(buffer)} bytes")
+        self._exchange(
+            "GET",
+            target.url,
+            {**target.headers, "Range": f"bytes={first}-{last}"},
+            land,
+            lambda: f"after {received[0]} of {len(buffer)} bytes",
+        )
 
     def head(self, url: str, headers: Mapping[str, str]) -> http.client.HTTPResponse:
         """A HEAD request's answer (status and headers; no body), for ``http(s)://`` metadata."""
 
-        def finish(response: http.client.HTTPResponse, connection: http.client.HTTPConnection) -> http.client.HTTPResponse:
+        def finish(
+            response: http.client.HTTPResponse, connection: http.client.HTTPConnection
+        ) -> http.client.HTTPResponse:
             response.read()
             return response
 
@@ -104,7 +113,9 @@ class RangeClient:
         """A GET of a whole small document (an API's JSON answer): the answer and its body, :class:`SourceError`
         if the body is over ``limit`` bytes (read no further than that)."""
 
-        def finish(response: http.client.HTTPResponse, connection: http.client.HTTPConnection) -> tuple[http.client.HTTPResponse, bytes]:
+        def finish(
+            response: http.client.HTTPResponse, connection: http.client.HTTPConnection
+        ) -> tuple[http.client.HTTPResponse, bytes]:
             body = response.read(limit + 1)
             if len(body) > limit:
                 raise SourceError(f"{url}: the answer is over {limit} bytes, more than a document of this kind holds")
@@ -112,8 +123,14 @@ class RangeClient:
 
         return self._exchange("GET", url, headers, finish, lambda: "while reading the answer")
 
-    def _exchange(self, method: str, url: str, headers: Mapping[str, str],
-                  handle: Callable[[http.client.HTTPResponse, http.client.HTTPConnection], Answer], where: Callable[[], str]) -> Answer:
+    def _exchange(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        handle: Callable[[http.client.HTTPResponse, http.client.HTTPConnection], Answer],
+        where: Callable[[], str],
+    ) -> Answer:
         """Send one request on this thread's connection to the URL's origin and ``handle`` its answer.
 
         A stall or a broken connection becomes :class:`Transient` (``where()`` says how far it got);
@@ -130,12 +147,14 @@ class RangeClient:
         except (WeightstreamError, Transient):
             self._drop(connection)
             raise
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             self._drop(connection)
             raise Transient(f"no byte for {connection.timeout:.1f} s {where()} (stalled)", stalled=True) from None
         except ssl.SSLCertVerificationError as error:
             self._drop(connection)
-            raise SourceError(f"{parts.scheme}://{parts.netloc}: TLS certificate verification failed: {error.verify_message}") from None
+            raise SourceError(
+                f"{parts.scheme}://{parts.netloc}: TLS certificate verification failed: {error.verify_message}"
+            ) from None
         except socket.gaierror as error:
             self._drop(connection)
             if error.errno == socket.EAI_AGAIN:
@@ -146,7 +165,10 @@ class RangeClient:
             raise Transient(f"connection broke {where()}: {type(error).__name__}: {error}") from None
         except http.client.HTTPException as error:
             self._drop(connection)
-            raise SourceError(f"{parts.scheme}://{parts.netloc}: the answer is not valid HTTP {where()}: {type(error).__name__}: {error}") from None
+            raise SourceError(
+                f"{parts.scheme}://{parts.netloc}: the answer is not valid HTTP {where()}: {type(error).__name__}: "
+                f"{error}"
+            ) from None
         except BaseException:
             self._drop(connection)
             raise
@@ -170,7 +192,9 @@ class RangeClient:
         if parts.scheme == "https":
             if self._tls is None:
                 self._tls = ssl.create_default_context()
-            connection = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=self.policy.timeout(), context=self._tls)
+            connection = http.client.HTTPSConnection(
+                parts.hostname, parts.port, timeout=self.policy.timeout(), context=self._tls
+            )
         elif parts.scheme == "http":
             connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.policy.timeout())
         else:
@@ -188,16 +212,23 @@ class RangeClient:
             self._open.discard(connection)
         connection.close()
 
-
-    def _read_body(self, response: http.client.HTTPResponse, connection: http.client.HTTPConnection, buffer: memoryview,
-                   received: list[int], span: str) -> None:
+    def _read_body(
+        self,
+        response: http.client.HTTPResponse,
+        connection: http.client.HTTPConnection,
+        buffer: memoryview,
+        received: list[int],
+        span: str,
+    ) -> None:
         """Read the body into ``buffer[received[0]:]``, each socket read straight into it; the load's deadline
         is enforced between reads (and bounds each one), and so is the minimum rate (:data:`MIN_RATE_BYTES_PER_S`)."""
         window_start, window_bytes = time.monotonic(), 0
         while received[0] < len(buffer):
             if self.policy.deadline is not None:
                 if time.monotonic() >= self.policy.deadline:
-                    raise SourceTimeout(f"{span}: the load's deadline passed after {received[0]} of {len(buffer)} bytes")
+                    raise SourceTimeout(
+                        f"{span}: the load's deadline passed after {received[0]} of {len(buffer)} bytes"
+                    )
                 connection.sock.settimeout(self.policy.timeout())
             count = _read_some(response, buffer[received[0] : received[0] + PIECE_BYTES])
             if not count:
@@ -207,7 +238,10 @@ class RangeClient:
             elapsed = time.monotonic() - window_start
             if elapsed >= self.policy.request_timeout_s:
                 if window_bytes < MIN_RATE_BYTES_PER_S * elapsed:
-                    raise Transient(f"{window_bytes} bytes in {elapsed:.1f} s, below {MIN_RATE_BYTES_PER_S} bytes/s (stalled)", stalled=True)
+                    raise Transient(
+                        f"{window_bytes} bytes in {elapsed:.1f} s, below {MIN_RATE_BYTES_PER_S} bytes/s (stalled)",
+                        stalled=True,
+                    )
                 window_start, window_bytes = time.monotonic(), 0
         if response.read(1):
             raise SourceError(f"{span}: the answer carried more bytes than its range")
@@ -231,13 +265,19 @@ def _read_some(response: http.client.HTTPResponse, view: memoryview) -> int:
 
 
 def _check_range(response: http.client.HTTPResponse, span: str, first: int, last: int, size: int) -> None:
-    """The answer holds exactly bytes ``first..last`` of an object of ``size`` bytes (a total of ``*``: unknown, accepted)."""
+    """The answer holds exactly bytes ``first..last`` of an object of ``size`` bytes (a total of ``*``: unknown,
+    accepted)."""
     content_range = response.getheader("Content-Range", "")
     match = CONTENT_RANGE.fullmatch(content_range.strip())
     if match is None or (int(match[1]), int(match[2])) != (first, last):
-        raise SourceError(f"{span}: answered 206 with Content-Range {content_range or '(none)'}, expected bytes {first}-{last}/{size}")
+        raise SourceError(
+            f"{span}: answered 206 with Content-Range {content_range or '(none)'}, expected bytes {first}-{last}/{size}"
+        )
     if match[3] != "*" and int(match[3]) != size:
-        raise SourceChangedError(f"{span}: the answer says the object has {match[3]} bytes, {size} when it was opened (replaced while loading)")
+        raise SourceChangedError(
+            f"{span}: the answer says the object has {match[3]} bytes, {size} when it was opened (replaced while "
+            "loading)"
+        )
 
 
 def _check_version(response: http.client.HTTPResponse, span: str, target: RangeTarget) -> None:
@@ -247,7 +287,8 @@ def _check_version(response: http.client.HTTPResponse, span: str, target: RangeT
     said = response.getheader(target.version_header)
     if said is not None and said != target.version:
         raise SourceChangedError(
-            f"{span}: the answer is of version {said} ({target.version_header}), {target.version} when it was opened (replaced while loading)"
+            f"{span}: the answer is of version {said} ({target.version_header}), {target.version} when it was opened "
+            "(replaced while loading)"
         )
 
 
@@ -258,11 +299,18 @@ def _refusal(response: http.client.HTTPResponse, span: str, first: int, last: in
     code = _error_code(body)
     said = f"HTTP {status}{f' {code}' if code else ''}"
     if status == 200:
-        return SourceError(f"{span}: answered 200 with the whole object, not 206 with bytes {first}-{last} (the server ignored the range)")
+        return SourceError(
+            f"{span}: answered 200 with the whole object, not 206 with bytes {first}-{last} (the server ignored the "
+            "range)"
+        )
     if status == 412:
-        return SourceChangedError(f"{span}: {said}: the object no longer matches the version planned (replaced while loading)")
+        return SourceChangedError(
+            f"{span}: {said}: the object no longer matches the version planned (replaced while loading)"
+        )
     if status == 404:
-        return SourceChangedError(f"{span}: {said}: the object at the version planned is gone (deleted or replaced while loading)")
+        return SourceChangedError(
+            f"{span}: {said}: the object at the version planned is gone (deleted or replaced while loading)"
+        )
     if status in (401, 403):
         return SourceError(f"{span}: access denied ({said})")
     if status in (408, 429) or status >= 500:

@@ -97,7 +97,9 @@ def parse_hub_uri(uri: str) -> HubReference:
         raise UnsupportedInputError(f"{uri}: not an {HUB_SCHEME} URI")
     rest = uri[len(HUB_SCHEME) :]
     if "?" in rest or "#" in rest:
-        raise UnsupportedInputError(f"{uri}: an {HUB_SCHEME} URI has no query or fragment; name a revision with @revision")
+        raise UnsupportedInputError(
+            f"{uri}: an {HUB_SCHEME} URI has no query or fragment; name a revision with @revision"
+        )
     parts = rest.rstrip("/").split("/")
     if parts[0] in ("datasets", "spaces"):
         raise UnsupportedInputError(f"{uri}: only model repositories hold checkpoints here, not {parts[0]}")
@@ -118,7 +120,8 @@ def check_reference(reference: HubReference, uri: str) -> None:
     """Raise ``UnsupportedInputError`` unless the repository id, revision and path are all well formed."""
     if not looks_like_repo_id(reference.repo_id):
         raise UnsupportedInputError(
-            f"{uri}: {reference.repo_id!r} is not a model id: expected org/name (letters, digits, '-', '_', '.'; at most 96 each; no '--' or '..')"
+            f"{uri}: {reference.repo_id!r} is not a model id: expected org/name (letters, digits, '-', '_', '.'; at "
+            "most 96 each; no '--' or '..')"
         )
     revision = reference.revision
     if not REVISION.fullmatch(revision) or _leaves_its_folder(revision):
@@ -147,7 +150,9 @@ def looks_like_repo_id(name: str) -> bool:
         (True, False, False)
     """
     parts = name.split("/")
-    return 1 <= len(parts) <= 2 and all(REPO_PART.fullmatch(part) and "--" not in part and ".." not in part for part in parts)
+    return 1 <= len(parts) <= 2 and all(
+        REPO_PART.fullmatch(part) and "--" not in part and ".." not in part for part in parts
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +168,9 @@ class HubSettings:
     """What set ``offline``, for the message of a miss."""
 
     @classmethod
-    def from_options(cls, storage_options: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ) -> HubSettings:
+    def from_options(
+        cls, storage_options: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ
+    ) -> HubSettings:
         """``storage_options`` (``cache_dir``, ``endpoint``, ``offline``, ``token``, ``headers``) over the environment.
 
         Raises:
@@ -176,23 +183,46 @@ class HubSettings:
         options = dict(storage_options or {})
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
-            raise InvalidOptionError(f"storage_options for {HUB_SCHEME} take {', '.join(OPTION_NAMES)}; got {', '.join(unknown)}")
+            raise InvalidOptionError(
+                f"storage_options for {HUB_SCHEME} take {', '.join(OPTION_NAMES)}; got {', '.join(unknown)}"
+            )
         for name in ("cache_dir", "endpoint", "token"):
             value = options.get(name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise OptionError(f"storage_options[{name!r}] for {HUB_SCHEME} must be a string, got {type(value).__name__}")
+                raise OptionError(
+                    f"storage_options[{name!r}] for {HUB_SCHEME} must be a string, got {type(value).__name__}"
+                )
         if not isinstance(options.get("offline", False), bool):
-            raise OptionError(f"storage_options['offline'] for {HUB_SCHEME} must be True or False, got {type(options['offline']).__name__}")
+            raise OptionError(
+                f"storage_options['offline'] for {HUB_SCHEME} must be True or False, got "
+                f"{type(options['offline']).__name__}"
+            )
         headers = options.get("headers") or {}
-        if not isinstance(headers, Mapping) or not all(isinstance(key, str) and isinstance(value, str) for key, value in headers.items()):
+        if not isinstance(headers, Mapping) or not all(
+            isinstance(key, str) and isinstance(value, str) for key, value in headers.items()
+        ):
             raise OptionError(f"storage_options['headers'] for {HUB_SCHEME} must be a mapping of strings to strings")
-        home = environ.get("HF_HOME") or os.path.join(environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
-        cache_dir = options.get("cache_dir") or environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+        home = environ.get("HF_HOME") or os.path.join(
+            environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+        )
+        cache_dir = (
+            options.get("cache_dir")
+            or environ.get("HF_HUB_CACHE")
+            or environ.get("HUGGINGFACE_HUB_CACHE")
+            or os.path.join(home, "hub")
+        )
         if "offline" in options:
             offline, offline_by = options["offline"], "offline=True"
         else:
-            offline, offline_by = environ.get("HF_HUB_OFFLINE", "").strip().upper() in TRUE_VALUES, "HF_HUB_OFFLINE is set"
-        token = options.get("token") or environ.get("HF_TOKEN") or _token_file(environ.get("HF_TOKEN_PATH") or os.path.join(home, "token"))
+            offline, offline_by = (
+                environ.get("HF_HUB_OFFLINE", "").strip().upper() in TRUE_VALUES,
+                "HF_HUB_OFFLINE is set",
+            )
+        token = (
+            options.get("token")
+            or environ.get("HF_TOKEN")
+            or _token_file(environ.get("HF_TOKEN_PATH") or os.path.join(home, "token"))
+        )
         endpoint = str(options.get("endpoint") or environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         if not endpoint.startswith(("http://", "https://")):
             raise InvalidOptionError(f"the Hugging Face endpoint must be an http(s):// URL, got {endpoint!r}")
@@ -203,7 +233,9 @@ class HubSettings:
         return {**self.headers, **({"Authorization": f"Bearer {self.token}"} if self.token else {})}
 
 
-def locate(uri: str, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> tuple[Store, str]:
+def locate(
+    uri: str, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None
+) -> tuple[Store, str]:
     """The store and location that serve the ``hf://`` URI ``uri``: the cache's snapshot if it holds the
     whole checkpoint, else the Hub's files at the commit the revision names now.
 
@@ -224,8 +256,10 @@ def locate(uri: str, storage_options: Mapping[str, Any] | None = None, policy: R
         return LocalStore(), cached
     if settings.offline:
         raise NotFound(
-            f"{uri}: not in the Hugging Face cache at {settings.cache_dir} ({missing}), and {settings.offline_by}, so the Hub is not asked: "
-            f"download it first (huggingface-cli download {reference.repo_id} --revision {reference.revision}) or go online"
+            f"{uri}: not in the Hugging Face cache at {settings.cache_dir} ({missing}), and {settings.offline_by}, so "
+            "the Hub is not asked: "
+            f"download it first (huggingface-cli download {reference.repo_id} --revision {reference.revision}) or go "
+            "online"
         )
     store = HubStore(settings, policy)
     try:
@@ -273,7 +307,11 @@ def cached_location(reference: HubReference, cache_dir: str) -> tuple[str | None
             return None, f"no {ref_file}"
         if not COMMIT.fullmatch(commit):
             return None, f"{ref_file} holds {commit[:60]!r}, not a commit hash"
-    target = os.path.join(repository, "snapshots", commit, *reference.path.split("/")) if reference.path else os.path.join(repository, "snapshots", commit)
+    target = (
+        os.path.join(repository, "snapshots", commit, *reference.path.split("/"))
+        if reference.path
+        else os.path.join(repository, "snapshots", commit)
+    )
     if os.path.isfile(target):
         return target, ""
     if not os.path.isdir(target):
@@ -281,12 +319,17 @@ def cached_location(reference: HubReference, cache_dir: str) -> tuple[str | None
     index = os.path.join(target, INDEX_NAME)
     if os.path.isfile(index):
         if os.path.getsize(index) > MAX_INDEX_BYTES:
-            raise ShardIndexError(f"{index}: {os.path.getsize(index)} bytes, over the {MAX_INDEX_BYTES}-byte limit for an index")
+            raise ShardIndexError(
+                f"{index}: {os.path.getsize(index)} bytes, over the {MAX_INDEX_BYTES}-byte limit for an index"
+            )
         with open(index, "rb") as handle:
             shards = parse_index(handle.read(), index).shards
         missing = [shard for shard in shards if not os.path.isfile(os.path.join(target, shard))]
         if missing:
-            return None, f"{target} lacks {len(missing)} of the {len(shards)} shards its index names ({', '.join(missing[:3])})"
+            return (
+                None,
+                f"{target} lacks {len(missing)} of the {len(shards)} shards its index names ({', '.join(missing[:3])})",
+            )
         return target, ""
     if any(name.endswith(".safetensors") and os.path.isfile(os.path.join(target, name)) for name in os.listdir(target)):
         return target, ""
@@ -319,12 +362,16 @@ class HubStore(HttpStore):
     def resolve(self, reference: HubReference) -> str:
         """Ask the Hub which commit ``reference``'s revision names and what files it has; the location of its path."""
         repo_id = urllib.parse.quote(reference.repo_id)
-        api = f"{self.settings.endpoint}/api/models/{repo_id}/revision/{urllib.parse.quote(reference.revision, safe='')}"
+        api = (
+            f"{self.settings.endpoint}/api/models/{repo_id}/revision/{urllib.parse.quote(reference.revision, safe='')}"
+        )
         commit, files = self._revision(reference, api)
         self.commit = commit
         self.root = f"{self.settings.endpoint}/{repo_id}/resolve/{commit}"
         self._files = frozenset(files)
-        self._directories = frozenset("/".join(name.split("/")[:depth]) for name in files for depth in range(len(name.split("/"))))
+        self._directories = frozenset(
+            "/".join(name.split("/")[:depth]) for name in files for depth in range(len(name.split("/")))
+        )
         if reference.path and reference.path not in self._files and reference.path not in self._directories:
             raise NotFound(f"{reference.uri}: the repository has no {reference.path!r} at commit {commit}")
         return self.root + (f"/{urllib.parse.quote(reference.path)}" if reference.path else "")
@@ -345,17 +392,24 @@ class HubStore(HttpStore):
         """``uri``'s path inside the repository (``""``: its root); SourceError for a URL outside it."""
         root = urllib.parse.urlsplit(self.root).path
         path = urllib.parse.urlsplit(uri).path
-        if not self.root or not (path == root or path.startswith(root + "/")) or not uri.startswith(self.settings.endpoint):
+        if (
+            not self.root
+            or not (path == root or path.startswith(root + "/"))
+            or not uri.startswith(self.settings.endpoint)
+        ):
             raise SourceError(f"{uri}: not a file of the repository at {self.root or '(unresolved)'}")
         return urllib.parse.unquote(path[len(root) :]).strip("/")
 
     def _revision(self, reference: HubReference, api: str) -> tuple[str, list[str]]:
-        """The commit and file names of the Hub's answer for the revision (redirects followed, retried as ranges are)."""
+        """The commit and file names of the Hub's answer for the revision (redirects followed, retried as ranges
+        are)."""
 
         trail = RedirectTrail(api)
 
         def attempt() -> tuple[int, str, bytes]:
-            answer, body = self.redirected(api, lambda location, headers: self.ranges.fetch(location, headers, MAX_REVISION_ANSWER_BYTES), trail)
+            answer, body = self.redirected(
+                api, lambda location, headers: self.ranges.fetch(location, headers, MAX_REVISION_ANSWER_BYTES), trail
+            )
             if answer.status in (408, 429) or answer.status >= 500:
                 raise Transient(f"HTTP {answer.status}")
             return answer.status, answer.getheader("X-Error-Code") or "", body
@@ -365,10 +419,20 @@ class HubStore(HttpStore):
         if status == 404 and code == "RevisionNotFound":
             raise NotFound(f"{where}: the repository has no revision {reference.revision!r}")
         if status in (401, 404):
-            advice = "the token was refused or does not grant it" if self.settings.token else "set HF_TOKEN (or storage_options={'token': ...})"
-            raise NotFound(f"{where}: HTTP {status}{f' {code}' if code else ''}: no such model repository, or it is private or gated ({advice})")
+            advice = (
+                "the token was refused or does not grant it"
+                if self.settings.token
+                else "set HF_TOKEN (or storage_options={'token': ...})"
+            )
+            raise NotFound(
+                f"{where}: HTTP {status}{f' {code}' if code else ''}: no such model repository, or it is private or "
+                f"gated ({advice})"
+            )
         if status == 403:
-            raise SourceError(f"{where}: HTTP 403{f' {code}' if code else ''}: access to this repository is not granted to this token (a gated model: accept its terms on the Hub)")
+            raise SourceError(
+                f"{where}: HTTP 403{f' {code}' if code else ''}: access to this repository is not granted to this "
+                "token (a gated model: accept its terms on the Hub)"
+            )
         if status != 200:
             raise SourceError(f"{where}: HTTP {status}: {body[:300].decode('utf-8', 'replace')}")
         return _commit_and_files(body, where)
@@ -379,10 +443,16 @@ def _commit_and_files(body: bytes, where: str) -> tuple[str, list[str]]:
         document = json.loads(body)
     except ValueError as error:
         raise SourceError(f"{where}: the Hub's answer is not JSON: {error}") from error
-    if not isinstance(document, dict) or not isinstance(document.get("sha"), str) or not COMMIT.fullmatch(document["sha"]):
+    if (
+        not isinstance(document, dict)
+        or not isinstance(document.get("sha"), str)
+        or not COMMIT.fullmatch(document["sha"])
+    ):
         raise SourceError(f"{where}: the Hub's answer names no commit (a 40-digit hex 'sha')")
     siblings = document.get("siblings")
-    if not isinstance(siblings, list) or not all(isinstance(entry, dict) and isinstance(entry.get("rfilename"), str) for entry in siblings):
+    if not isinstance(siblings, list) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("rfilename"), str) for entry in siblings
+    ):
         raise SourceError(f"{where}: the Hub's answer has no list of files ('siblings' with 'rfilename')")
     files = [entry["rfilename"] for entry in siblings]
     unsafe = [name for name in files if _leaves_its_folder(name)]

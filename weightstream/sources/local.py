@@ -18,7 +18,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from typing import Literal, Union
+from typing import Literal
+
+from typing_extensions import Self
 
 from weightstream.errors import SourceChangedError, SourceError, TruncatedFileError
 from weightstream.sources.pagecache import resident_fraction
@@ -31,7 +33,7 @@ DIRECT_ALIGNMENT = 4096
 DIRECT_BELOW_RESIDENCY = 0.5
 """With ``direct="auto"``, a file less than this fraction in the page cache is read directly."""
 
-DirectMode = Union[bool, Literal["auto"]]
+DirectMode = bool | Literal["auto"]
 
 
 class LocalFile:
@@ -66,7 +68,10 @@ class LocalFile:
             try:
                 got = os.preadv(self._fd, [buffer[done:]], offset + done)
             except OSError as error:
-                failure = SourceError(f"{self.uri}: read of bytes {offset}..{offset + wanted} failed at byte {offset + done}: {error.strerror}")
+                failure = SourceError(
+                    f"{self.uri}: read of bytes {offset}..{offset + wanted} failed at byte {offset + done}: "
+                    f"{error.strerror}"
+                )
                 failure.errno = error.errno
                 raise failure from error
             if got == 0:
@@ -81,7 +86,7 @@ class LocalFile:
             os.close(self._fd)
             self._fd = -1
 
-    def __enter__(self) -> LocalFile:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -109,7 +114,8 @@ class LocalStore:
         """Nothing to release: each file is closed by its reader."""
 
     def open_pinned(self, uri: str, size: int, version: str, *, direct: DirectMode = False) -> LocalFile:
-        """Open ``uri`` as :meth:`open` does, and check it is still the file of ``size`` bytes and ``version`` planned."""
+        """Open ``uri`` as :meth:`open` does, and check it is still the file of ``size`` bytes and ``version``
+        planned."""
         source = self.open(uri, direct=direct)
         try:
             check_identity(source.uri, size, version, os.fstat(source._fd))
@@ -154,7 +160,9 @@ def identity(status: os.stat_result) -> str:
 def check_identity(path: str, planned_size: int, planned_version: str | None, status: os.stat_result) -> None:
     """Raise :class:`SourceChangedError` unless ``status`` is of the file planned (size and identity)."""
     if status.st_size != planned_size:
-        raise SourceChangedError(f"{path}: is {status.st_size} bytes now, {planned_size} when its header was read (it changed while loading)")
+        raise SourceChangedError(
+            f"{path}: is {status.st_size} bytes now, {planned_size} when its header was read (it changed while loading)"
+        )
     if planned_version is None:
         return
     now = identity(status)
@@ -163,12 +171,14 @@ def check_identity(path: str, planned_size: int, planned_version: str | None, st
     planned_device, planned_inode, planned_mtime = planned_version.split(":")
     if (planned_device, planned_inode) != (str(status.st_dev), str(status.st_ino)):
         raise SourceChangedError(
-            f"{path}: was replaced by another file (inode {planned_inode} -> {status.st_ino}) after its header was read; load again"
+            f"{path}: was replaced by another file (inode {planned_inode} -> {status.st_ino}) after its header was "
+            "read; load again"
         )
     raise SourceChangedError(
-        f"{path}: was modified (mtime_ns {planned_mtime} -> {status.st_mtime_ns}) after its header was read; its bytes may not match the header"
+        f"{path}: was modified (mtime_ns {planned_mtime} -> {status.st_mtime_ns}) after its header was read; its bytes "
+        "may not match the header"
     )
 
 
 def _path(uri: str) -> str:
-    return uri[len("file://") :] if uri.startswith("file://") else uri
+    return uri.removeprefix("file://")

@@ -45,7 +45,9 @@ class MappedFile:
         try:
             status = os.stat(self.path)
         except FileNotFoundError:
-            raise SourceChangedError(f"{self.path}: was removed or renamed after its header was read; load again") from None
+            raise SourceChangedError(
+                f"{self.path}: was removed or renamed after its header was read; load again"
+            ) from None
         check_identity(self.path, self.size, self.version, status)
 
     def close(self) -> None:

@@ -9,7 +9,9 @@ import os
 from weightstream.errors import SourceError
 from weightstream.sources.regular import open_regular
 
-_libc = ctypes.CDLL(None, use_errno=True)  # the C library the interpreter already links (find_library spawns ldconfig: 3 ms)
+_libc = ctypes.CDLL(
+    None, use_errno=True
+)  # the C library the interpreter already links (find_library spawns ldconfig: 3 ms)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -68,7 +70,11 @@ def fd_resident_fraction(fd: int, size: int, path: str) -> float:
         return 1.0
     page = mmap.PAGESIZE
     windows = (size + WINDOW_BYTES - 1) // WINDOW_BYTES
-    chosen = range(windows) if windows <= MAX_WINDOWS else sorted({number * windows // MAX_WINDOWS for number in range(MAX_WINDOWS)})
+    chosen = (
+        range(windows)
+        if windows <= MAX_WINDOWS
+        else sorted({number * windows // MAX_WINDOWS for number in range(MAX_WINDOWS)})
+    )
     vector = (ctypes.c_ubyte * (WINDOW_BYTES // page))()
     resident = probed = 0
     for number in chosen:
@@ -78,7 +84,9 @@ def fd_resident_fraction(fd: int, size: int, path: str) -> float:
         address = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
         if address in (None, _MAP_FAILED):
             error = ctypes.get_errno()
-            raise SourceError(f"{path}: cannot map bytes {offset}..{offset + length} to probe the page cache: {os.strerror(error)}")
+            raise SourceError(
+                f"{path}: cannot map bytes {offset}..{offset + length} to probe the page cache: {os.strerror(error)}"
+            )
         try:
             if _libc.mincore(address, length, vector) != 0:
                 error = ctypes.get_errno()

@@ -19,7 +19,7 @@ def open_regular(path: str, flags: int = 0) -> tuple[int, os.stat_result]:
         >>> open_regular("/dev/null")
         Traceback (most recent call last):
         ...
-        weightstream.errors.UnsupportedInputError: /dev/null: is a character device, not a regular file; weightstream reads regular files only
+        weightstream.errors.UnsupportedInputError: /dev/null: is a character device, not a regular file; ...
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | flags)
@@ -32,7 +32,9 @@ def open_regular(path: str, flags: int = 0) -> tuple[int, os.stat_result]:
     try:
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode):
-            raise UnsupportedInputError(f"{path}: is a {_kind(status.st_mode)}, not a regular file; weightstream reads regular files only")
+            raise UnsupportedInputError(
+                f"{path}: is a {_kind(status.st_mode)}, not a regular file; weightstream reads regular files only"
+            )
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
@@ -41,8 +43,13 @@ def open_regular(path: str, flags: int = 0) -> tuple[int, os.stat_result]:
 
 
 def _kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-                       (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory")):
+    for test, kind in (
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISDIR, "directory"),
+    ):
         if test(mode):
             return kind
     return "special file"

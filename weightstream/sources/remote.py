@@ -69,7 +69,6 @@ class RangeStore(Protocol):
         answer header that must name its pinned version."""
 
 
-
 class RemoteStore:
     """The part of every remote store that is the same: a retry policy and the load's range connections,
     objects reopened at a pinned version without a request, no page cache, ``/``-joined names, and

@@ -46,7 +46,9 @@ class RetryPolicy:
             raise error(f"{span}: gave up after {attempt - 1} attempt(s): {failure}")
         pause = random.uniform(0, min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (attempt - 2)))
         if self.deadline is not None and time.monotonic() + pause >= self.deadline:
-            raise SourceTimeout(f"{span}: the load's deadline passed after {attempt - 1} attempt(s); last failure: {failure}")
+            raise SourceTimeout(
+                f"{span}: the load's deadline passed after {attempt - 1} attempt(s); last failure: {failure}"
+            )
         time.sleep(pause)
 
     def run(self, span: str, attempt: Callable[[], Result]) -> Result:

@@ -24,15 +24,39 @@ from weightstream.sources.http_range import RangeTarget
 from weightstream.sources.remote import RangeSource, RemoteStore
 from weightstream.sources.retry import RetryPolicy, Transient
 
-STORAGE_OPTIONS = ("endpoint_url", "key", "secret", "token", "region_name", "profile", "anon", "client_kwargs", "config_kwargs")
-"""What ``storage_options`` may hold for ``s3://`` (s3fs's names for the same settings, so existing options keep working)."""
+STORAGE_OPTIONS = (
+    "endpoint_url",
+    "key",
+    "secret",
+    "token",
+    "region_name",
+    "profile",
+    "anon",
+    "client_kwargs",
+    "config_kwargs",
+)
+"""What ``storage_options`` may hold for ``s3://`` (s3fs's names for the same settings, so existing options keep
+working)."""
 PRESIGNED_LIFETIME_S = 3600
 """Presigned URLs are valid this long, and made again after half of it."""
-TRANSIENT_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling", "ThrottlingException",
-                             "RequestLimitExceeded", "TooManyRequestsException", "OperationAborted"})
+TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "OperationAborted",
+    }
+)
 """S3 error codes worth another attempt, whatever the status says."""
 MISSING_CODES = frozenset({"404", "NoSuchKey", "NoSuchBucket", "NotFound"})
-DENIED_CODES = frozenset({"401", "403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"})
+DENIED_CODES = frozenset(
+    {"401", "403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+)
 
 
 class S3Store(RemoteStore):
@@ -49,7 +73,9 @@ class S3Store(RemoteStore):
         options = dict(storage_options or {})
         unknown = sorted(set(options) - set(STORAGE_OPTIONS))
         if unknown:
-            raise InvalidOptionError(f"storage_options for s3:// take {', '.join(STORAGE_OPTIONS)}; got {', '.join(unknown)}")
+            raise InvalidOptionError(
+                f"storage_options for s3:// take {', '.join(STORAGE_OPTIONS)}; got {', '.join(unknown)}"
+            )
         super().__init__(policy)
         self.client = _client(options, self.policy)
         self._presigned: dict[str, tuple[str, float]] = {}
@@ -71,7 +97,7 @@ class S3Store(RemoteStore):
     def exists(self, uri: str) -> bool:
         if uri.rstrip("/") in self._listed:
             return True
-        bucket, key = _bucket_and_key(uri)
+        _bucket, key = _bucket_and_key(uri)
         if key and not uri.endswith("/"):
             try:
                 self._head(uri)
@@ -96,7 +122,11 @@ class S3Store(RemoteStore):
             for entry in page.get("Contents", []):
                 name = entry["Key"][len(prefix) :]
                 if name:
-                    self._listed[self.join(uri, name)] = {"type": "file", "size": entry["Size"], "etag": entry.get("ETag")}
+                    self._listed[self.join(uri, name)] = {
+                        "type": "file",
+                        "size": entry["Size"],
+                        "etag": entry.get("ETag"),
+                    }
                     names.append(name)
             for entry in page.get("CommonPrefixes", []):
                 name = entry["Prefix"][len(prefix) :].rstrip("/")
@@ -136,7 +166,9 @@ class S3Store(RemoteStore):
             url, made = self._presigned.get(uri, ("", -PRESIGNED_LIFETIME_S))
             if time.monotonic() - made > PRESIGNED_LIFETIME_S / 2:
                 bucket, key = _bucket_and_key(uri)
-                url = self.client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=PRESIGNED_LIFETIME_S)
+                url = self.client.generate_presigned_url(
+                    "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=PRESIGNED_LIFETIME_S
+                )
                 self._presigned[uri] = (url, time.monotonic())
             return url
 
@@ -174,7 +206,9 @@ def classify(uri: str, error: Exception) -> Exception:
     if isinstance(error, (failures.HTTPClientError, failures.ConnectionError, ConnectionError)):
         return Transient(f"{type(error).__name__}: {error}")
     if isinstance(error, failures.NoCredentialsError):
-        return SourceError(f"{uri}: no AWS credentials found (storage_options key/secret, AWS_ACCESS_KEY_ID, a profile or a role)")
+        return SourceError(
+            f"{uri}: no AWS credentials found (storage_options key/secret, AWS_ACCESS_KEY_ID, a profile or a role)"
+        )
     if isinstance(error, failures.BotoCoreError):
         return SourceError(f"{uri}: {type(error).__name__}: {error}")
     return error
@@ -200,8 +234,15 @@ def _client(options: dict[str, Any], policy: RetryPolicy) -> Any:
     client_kwargs = dict(options.get("client_kwargs") or {})
     if options.get("endpoint_url"):
         client_kwargs["endpoint_url"] = options["endpoint_url"]
-    region = options.get("region_name") or client_kwargs.pop("region_name", None) or session.get_config_variable("region") or "us-east-1"
-    return session.create_client("s3", region_name=region, config=botocore.config.Config(**config_kwargs), **client_kwargs)
+    region = (
+        options.get("region_name")
+        or client_kwargs.pop("region_name", None)
+        or session.get_config_variable("region")
+        or "us-east-1"
+    )
+    return session.create_client(
+        "s3", region_name=region, config=botocore.config.Config(**config_kwargs), **client_kwargs
+    )
 
 
 def _bucket_and_key(uri: str) -> tuple[str, str]:
