@@ -114,6 +114,33 @@ def test_bench_builds_the_demo_and_compares(tmp_path: Path):
 
 
 @pytest.mark.slow
+def test_every_cpu_method_whose_library_is_installed_runs(tmp_path: Path):
+    """A peer's new release can change its API (safe_open handles have keys() and no __iter__): every method
+    that is not skipped for a missing library must run, peers included."""
+    from weightstream.bench.methods import METHODS, SHARDED_STATE_METHODS
+
+    methods = sorted(set(METHODS) - SHARDED_STATE_METHODS)
+    result = cli(
+        "bench",
+        "--size",
+        "8MiB",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--rounds",
+        "1",
+        "--cache",
+        "warm",
+        "--methods",
+        ",".join(methods),
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["failed"] == {}
+    ran = {row["method"] for row in report["results"] if "skipped" not in row}
+    assert {"weightstream", "safetensors.load_file", "safetensors.safe_open"} <= ran
+
+
 def test_bench_layered_on_a_demo_of_so_many_layers(tmp_path: Path):
     result = cli(
         "bench",
