@@ -6,6 +6,8 @@ weightstream load URI [--json] [--format F] [--device cuda] [--pin-memory] [--th
 weightstream bench [URI] [--device cuda] [--size 1GiB] [--layers N] [--rounds 3] [--json] [--plot bench.png]
 weightstream convert SRC DST --to sharded-state --tp N [--engine vllm|sglang] [--rule PATTERN=DIM ...]
                              [--max-file-mib M] [--json]
+weightstream cache serve [--dir DIR] [--socket PATH] [--budget SIZE] [--group G] [--json]
+weightstream cache ls|stats|stop|evict [KEY]|prefetch URI [--socket PATH] [--json]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import weightstream
 from weightstream.bench.demo import GIB, demo_checkpoint
 from weightstream.bench.methods import METHODS_BY_DEVICE
 from weightstream.bench.runner import CACHES, check_device, format_table, plot, run_bench
+from weightstream.cache.commands import add_cache_commands
 from weightstream.errors import WeightstreamError
 from weightstream.formats.safetensors import DTYPE_NAMES
 from weightstream.progress import ProgressBar
@@ -139,6 +142,8 @@ def _load(args: argparse.Namespace) -> int:
         options["prefetch_layers"] = args.prefetch_layers
     if args.filter:
         options["filter"] = args.filter
+    if args.cache is not None:
+        options["cache"] = args.cache
     bar = ProgressBar(label="load") if sys.stderr.isatty() and not args.json else None
     if bar is not None:
         options["progress"] = bar.advance
@@ -274,6 +279,7 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("--filter", nargs="+", metavar="NAME", help="load only these tensors")
     load.add_argument("--device", default="cpu", help="where tensors land: cpu (default), cuda, cuda:N")
     load.add_argument("--pin-memory", action="store_true", help="pinned CPU tensors (needs CUDA and cuda-python)")
+    load.add_argument("--cache", default=None, help="read through the node cache: its socket, or 'auto'")
     load.add_argument("--json", action="store_true")
     load.set_defaults(run=_load)
 
@@ -332,6 +338,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--json", action="store_true")
     convert.set_defaults(run=_convert)
+    add_cache_commands(commands, parse_size)
     return parser
 
 

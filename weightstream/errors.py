@@ -132,3 +132,25 @@ class EngineUnavailableError(WeightstreamError, ImportError):
 class WeightsMismatchError(WeightstreamError, ValueError):
     """An engine's model and the checkpoint disagree: parameters the checkpoint did not fill, or
     tensors the model has no parameter for."""
+
+
+class CacheError(WeightstreamError):
+    """The node weight cache failed: the root of its errors (see ``weightstream.cache``)."""
+
+
+class CacheUnavailableError(CacheError, ConnectionError):
+    """No cache daemon answers at the socket named (or it stopped answering mid-request)."""
+
+
+class CacheRefusedError(CacheError, PermissionError):
+    """The cache daemon refused the client: another user's process, or a request it does not accept."""
+
+
+class CacheProtocolError(CacheError, ValueError):
+    """A message on the cache's socket is malformed, too large or not what was asked for; or a segment
+    the daemon handed over is not what it said (its size, its first bytes' checksum)."""
+
+
+class CacheFullError(CacheError, MemoryError):
+    """The cache cannot hold an entry: its budget, the memory available or the daemon's cgroup limit would be
+    exceeded (refused before any byte is read, never left to the kernel's OOM killer)."""

@@ -99,12 +99,22 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
     chosen = None if format == AUTO else _checked_loader(format, opts, own)
     store, location = locate(uri, opts.storage_options, opts.retry_policy())
     try:
+        if opts.cache is not None:
+            store = _through_cache(store, opts)
         loader, opts = chosen or _checked_loader(resolve_format(location), opts, own)
         plan = loader.plan(store, location, opts)
     except BaseException:
         store.close()
         raise
     return Checkpoint(loader, store, plan, opts, time.perf_counter() - started)
+
+
+def _through_cache(store: Store, opts: LoadOptions) -> Store:
+    """``store`` read through the node cache ``opts.cache`` names (``store`` itself for ``"auto"`` without a daemon)."""
+    from weightstream.sources.cache import CachedStore, connect
+
+    client = connect(str(opts.cache))
+    return store if client is None else CachedStore(store, client, opts.storage_options)
 
 
 def _checked_loader(format: str, opts: LoadOptions, own: Mapping[str, object]) -> tuple[Loader, LoadOptions]:

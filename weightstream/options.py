@@ -20,7 +20,8 @@ ProgressCallback = Callable[[int], None]
 """Called with the number of bytes that just landed (from reader threads)."""
 
 Auto = Literal["auto"]
-"""The value of the options that decide for themselves (``direct_io``, ``huge_pages``, ``pin_memory``, ``gds``)."""
+"""The value of the options that decide for themselves (``direct_io``, ``huge_pages``, ``pin_memory``, ``gds``,
+``zero_copy``)."""
 
 LoaderOptions = TypeVar("LoaderOptions")
 
@@ -101,10 +102,18 @@ class LoadOptions:
     prefault: bool = True
     """Fault destination pages in from a helper thread, ahead of the readers. Default ``True``."""
 
-    zero_copy: bool = False
-    """Return views of a private mapping of each (local) file instead of owned memory: no copy and no
-    fresh pages, for callers that copy each tensor out at once. Default ``False``. Writing to a tensor
-    copies its page; truncating the file while one lives makes reading it fault (SIGBUS)."""
+    zero_copy: bool | Auto = "auto"
+    """Return views of a private mapping of each file (a local file, or a segment of the node cache)
+    instead of owned memory: no copy and no fresh pages. ``True``, ``False`` (always owned memory) or
+    ``"auto"`` (default: views of the node cache's shared memory, owned memory elsewhere). The
+    ``safetensors`` and ``sharded-state`` loaders honour it, the others refuse ``True``. Writing to a view
+    copies its page privately; truncating a local file while one lives makes reading it fault (SIGBUS)."""
+
+    cache: str | None = None
+    """The node weight cache to read through (see the README's "Node weight cache"): the daemon's socket
+    path, or ``"auto"`` (``$WEIGHTSTREAM_CACHE`` or the default socket, if a daemon listens there; else
+    the source is read directly, logged once). An explicit socket without a daemon raises
+    ``CacheUnavailableError``. Default ``None``: no cache."""
 
     storage_options: Mapping[str, object] | None = None
     """Remote sources. S3: ``endpoint_url``, ``key``, ``secret``, ``token``, ``region_name``, ``profile``,
@@ -155,10 +164,11 @@ class LoadOptions:
                 f"staging_slots x staging_slot_bytes = {self.staging_slots} x {self.staging_slot_bytes} bytes "
                 f"exceeds the {MAX_STAGING_BYTES >> 30} GiB bound on pinned staging"
             )
-        for name in ("prefault", "zero_copy"):
-            if not isinstance(getattr(self, name), bool):
-                raise OptionError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        for name in ("direct_io", "huge_pages", "pin_memory", "gds"):
+        if not isinstance(self.prefault, bool):
+            raise OptionError(f"prefault must be a bool, got {type(self.prefault).__name__}")
+        if self.cache is not None and (not isinstance(self.cache, str) or not self.cache):
+            raise OptionError(f"cache must be a socket path, 'auto' or None, got {self.cache!r}")
+        for name in ("direct_io", "huge_pages", "pin_memory", "gds", "zero_copy"):
             if not (isinstance(getattr(self, name), bool) or getattr(self, name) == "auto"):
                 raise InvalidOptionError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
         on_cpu = torch.device(self.device).type == "cpu"
@@ -166,7 +176,7 @@ class LoadOptions:
             raise InvalidOptionError(f"pin_memory=True is for CPU destinations; device {self.device!r} is not one")
         if self.gds is True and on_cpu:
             raise InvalidOptionError(f"gds=True reads into GPU memory; device {self.device!r} is not a GPU")
-        if self.zero_copy and (not on_cpu or self.pin_memory is True):
+        if self.zero_copy is True and (not on_cpu or self.pin_memory is True):
             raise InvalidOptionError(
                 "zero_copy returns views of a file mapping: it cannot land on a GPU or in pinned memory"
             )

@@ -121,7 +121,7 @@ def demo_checkpoint(
         >>> path = demo_checkpoint(256 << 20)  # doctest: +SKIP
     """
     cache_dir = cache_dir or os.environ.get(
-        "WEIGHTSTREAM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "weightstream")
+        "WEIGHTSTREAM_DEMO_DIR", os.path.join(os.path.expanduser("~"), ".cache", "weightstream")
     )
     shape = LlamaShape.of_size(size_bytes, layers=layers)
     width = "" if shape.hidden == LlamaShape.hidden else f"{shape.hidden}h-"

@@ -48,7 +48,8 @@ class DistributedLoader:
     options: ClassVar[type] = DistributedOptions
 
     def check(self, opts: LoadOptions) -> None:
-        opts.refuse({"zero_copy": "maps whole files; each rank here reads only its share"})
+        if opts.zero_copy is True:
+            raise InvalidOptionError("zero_copy=True: maps whole files; each rank here reads only its share")
         check_destination(opts.device, opts.pin_memory)
         _group_of(opts)
 

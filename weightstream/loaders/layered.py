@@ -82,9 +82,11 @@ class LayeredLoader:
     (``copy_layers=True``)."""
 
     def check(self, opts: LoadOptions) -> None:
-        opts.refuse(
-            {"zero_copy": "maps whole files, while this loader reads into buffers it reuses; use format='safetensors'"}
-        )
+        if opts.zero_copy is True:
+            raise InvalidOptionError(
+                "zero_copy=True: maps whole files, while this loader reads into buffers it reuses; "
+                "use format='safetensors'"
+            )
         if opts.gds is True:
             raise InvalidOptionError(
                 "gds=True: the layered loader reaches a GPU through the pinned staging ring, not cuFile"

@@ -43,16 +43,16 @@ def plan_checkpoint(store: Store, uri: str, opts: LoadOptions, checkpoint: Check
     """The plan of the safetensors checkpoint at ``uri`` (or of ``checkpoint``'s files) in ``store``
     (local or remote), options checked first."""
     if not isinstance(store, LocalStore):
-        _check_remote_options(uri, opts)
+        _check_remote_options(store, uri, opts)
     required = opts.filter if opts.filter is not None and not callable(opts.filter) else ()
     return read_plan(store, uri, opts.wants, required, checkpoint)
 
 
-def _check_remote_options(uri: str, opts: LoadOptions) -> None:
+def _check_remote_options(store: Store, uri: str, opts: LoadOptions) -> None:
     """Options that only mean something for local files are refused for objects, not ignored."""
     for name, meaningless in (
         ("direct_io", opts.direct_io is True),
-        ("zero_copy", opts.zero_copy),
+        ("zero_copy", opts.zero_copy is True and not hasattr(store, "mapped")),
         ("gds", opts.gds is True),
     ):
         if meaningless:

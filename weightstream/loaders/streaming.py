@@ -48,7 +48,7 @@ class StreamingLoader:
     options: ClassVar[type] = StreamingOptions
 
     def check(self, opts: LoadOptions) -> None:
-        if opts.zero_copy:
+        if opts.zero_copy is True:
             raise InvalidOptionError("zero_copy maps whole files: the streaming loader reads into memory of its own")
         window = opts.own(StreamingOptions).max_inflight_bytes
         if window is not None and opts.chunk_bytes is not None and window < opts.chunk_bytes:

@@ -32,7 +32,6 @@ from weightstream.readers.tasks import (
 )
 from weightstream.sources.base import Source, Store
 from weightstream.sources.local import LocalStore
-from weightstream.sources.mapped import MappedFile
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +43,8 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
         >>> for name, tensor in read_tensors(LocalStore(), plan, LoadOptions()):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
-    if opts.zero_copy:
-        yield from _mapped_tensors(plan, opts)
+    if wants_views(store, opts):
+        yield from _mapped_tensors(store, plan, opts)
         return
     if torch.device(opts.device).type == "cuda":
         yield from _cuda_tensors(store, plan, opts)
@@ -99,13 +98,22 @@ def _cuda_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[t
     yield from read_staged(store, plan, opts, device)
 
 
-def _mapped_tensors(plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
+def wants_views(store: Store, opts: LoadOptions) -> bool:
+    """Whether tensors are views of file mappings: ``zero_copy=True``, or ``"auto"`` over the node cache's
+    shared memory (to the pageable CPU)."""
+    if opts.zero_copy is True:
+        return True
+    shared = getattr(store, "shares_memory", False)
+    return opts.zero_copy == "auto" and shared and torch.device(opts.device).type == "cpu" and opts.pin_memory is False
+
+
+def _mapped_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
     """``zero_copy``: views of each file's private mapping, after checking the file is unchanged."""
     for spec in plan.files:
         tensors = plan.tensors_of(spec.path)
         if not tensors:
             continue
-        mapped = MappedFile(spec.path, spec.size, spec.version)
+        mapped = store.mapped(spec.path, spec.size, spec.version)  # type: ignore[attr-defined]
         try:
             for tensor in tensors:
                 yield tensor.name, view_as(mapped.bytes, tensor.offset, tensor)

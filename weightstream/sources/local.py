@@ -18,13 +18,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from typing_extensions import Self
 
 from weightstream.errors import SourceChangedError, SourceError, TruncatedFileError
 from weightstream.sources.pagecache import resident_fraction
 from weightstream.sources.regular import open_regular
+
+if TYPE_CHECKING:
+    from weightstream.sources.mapped import MappedFile
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +115,12 @@ class LocalStore:
 
     def close(self) -> None:
         """Nothing to release: each file is closed by its reader."""
+
+    def mapped(self, uri: str, size: int, version: str | None) -> MappedFile:
+        """A private mapping of ``uri``, checked to be the file of ``size`` bytes and ``version`` planned."""
+        from weightstream.sources.mapped import MappedFile
+
+        return MappedFile(_path(uri), size, version)
 
     def open_pinned(self, uri: str, size: int, version: str, *, direct: DirectMode = False) -> LocalFile:
         """Open ``uri`` as :meth:`open` does, and check it is still the file of ``size`` bytes and ``version``

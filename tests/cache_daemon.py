@@ -1,0 +1,64 @@
+"""A real cache daemon for tests: ``weightstream cache serve`` in a process of its own, on a socket and a
+segment directory of the test's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from typing_extensions import Self
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Daemon:
+    """``with Daemon(directory, socket) as daemon:``; started listening, stopped (SIGTERM) at the end."""
+
+    def __init__(self, directory: Path, socket_path: Path, *extra: str) -> None:
+        self.directory, self.socket = directory, socket_path
+        self.extra = extra
+        self.process: subprocess.Popen[str] | None = None
+        self.status: dict = {}
+        self.log_path = socket_path.with_suffix(".log")
+
+    def start(self) -> Daemon:
+        command = [sys.executable, "-m", "weightstream.cli", "cache", "serve", "--dir", str(self.directory)]
+        command += ["--socket", str(self.socket), "--json", *self.extra]
+        with open(self.log_path, "a") as log:
+            self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+        line = self.process.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            self.process.wait(timeout=30)
+            raise RuntimeError(f"the daemon did not start: {self.log()}")
+        self.status = json.loads(line)
+        return self
+
+    def stop(self) -> int:
+        """SIGTERM; the exit status."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=30)
+        self.process.stdout.close()  # type: ignore[union-attr]
+        return code
+
+    def kill(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+        self.process.stdout.close()  # type: ignore[union-attr]
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.stop()

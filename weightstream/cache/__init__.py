@@ -1,0 +1,1 @@
+"""The node weight cache daemon: segments in shared memory, served over a Unix socket (see ``daemon``)."""

@@ -1,0 +1,284 @@
+"""The node weight cache as a source: files read from the daemon's shared-memory segments.
+
+:class:`CachedStore` wraps the store of the checkpoint's own source (local, S3, GCS, HTTP, Hub): it
+lists and names files through it, and opens every file by asking the daemon to attach it (the daemon
+fills the segment from the source on a miss, once, however many clients ask). The answer carries the
+segment's descriptor; the client maps it privately (copy-on-write: writing a tensor never reaches the
+shared bytes, which are a read-only file), checks its size and the checksum of its first bytes against
+the answer, and closes the descriptor. Every loader reads through it unchanged; the safetensors and
+sharded-state loaders hand out views of the mapping (``zero_copy``), so a process attaching a cached
+checkpoint gets no fresh pages at all.
+
+The daemon is found at a socket: ``cache=PATH``, or ``cache="auto"`` = ``$WEIGHTSTREAM_CACHE`` or
+:func:`default_socket`, used when a daemon listens there (else the load reads its source, and says so
+once in the log).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Mapping
+
+import torch
+
+from weightstream import errors
+from weightstream.errors import (
+    CacheError,
+    CacheProtocolError,
+    CacheUnavailableError,
+    SourceChangedError,
+    TruncatedFileError,
+)
+from weightstream.sources.base import Source, Store
+from weightstream.sources.cache_protocol import MAX_ANSWER_BYTES, head_digest, receive, send
+
+log = logging.getLogger(__name__)
+
+ENVIRONMENT = "WEIGHTSTREAM_CACHE"
+"""The variable naming the daemon's socket for ``cache="auto"``."""
+CONNECT_TIMEOUT_S = 5.0
+ANSWER_TIMEOUT_S = 3600.0
+"""An attach waits for a fill, which may read a large file from a slow store."""
+
+
+def default_socket() -> str:
+    """Where the daemon listens unless told otherwise: ``$XDG_RUNTIME_DIR/weightstream-cache.sock``, or
+    ``/tmp/weightstream-cache-<uid>.sock``.
+
+    Example:
+        >>> default_socket().endswith(".sock")
+        True
+    """
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "weightstream-cache.sock")
+    return f"/tmp/weightstream-cache-{os.getuid()}.sock"
+
+
+def resolve_socket(cache: str) -> tuple[str, bool]:
+    """The socket ``cache`` names and whether it was asked for explicitly (``"auto"`` is not).
+
+    Example:
+        >>> resolve_socket("/run/ws.sock")
+        ('/run/ws.sock', True)
+    """
+    if cache == "auto":
+        return os.environ.get(ENVIRONMENT) or default_socket(), False
+    return cache, True
+
+
+class CacheClient:
+    """One connection to the daemon; requests on it are serialised (one at a time)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._socket = _connect(path)
+
+    def request(self, message: Mapping[str, object]) -> tuple[dict[str, object], list[int]]:
+        """Send ``message``; the answer and its descriptors (the caller closes them). A connection the daemon
+        closed (it drops clients silent for a while, or it restarted) is opened again, once.
+
+        Raises:
+            the typed error the daemon answered with (a ``CacheError`` for anything it did not type).
+        """
+        with self._lock:
+            try:
+                answer, fds = self._exchange(message)
+            except (CacheUnavailableError, BrokenPipeError, ConnectionResetError):
+                self._socket.close()
+                self._socket = _connect(self.path)
+                answer, fds = self._exchange(message)
+        if answer.get("ok") is True:
+            return answer, fds
+        for fd in fds:
+            os.close(fd)
+        raise _typed_error(answer, self.path)
+
+    def close(self) -> None:
+        self._socket.close()
+
+    def _exchange(self, message: Mapping[str, object]) -> tuple[dict[str, object], list[int]]:
+        try:
+            send(self._socket, message)
+            return receive(self._socket, MAX_ANSWER_BYTES, f"the answer of the cache daemon at {self.path}")
+        except TimeoutError as error:
+            raise CacheUnavailableError(
+                f"the cache daemon at {self.path} did not answer in {ANSWER_TIMEOUT_S:.0f} s"
+            ) from error
+
+
+def _connect(path: str) -> socket.socket:
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    connection.settimeout(CONNECT_TIMEOUT_S)
+    try:
+        connection.connect(path)
+    except OSError as error:
+        connection.close()
+        reason = "no such socket" if error.errno == errno.ENOENT else (error.strerror or str(error))
+        raise CacheUnavailableError(f"no weightstream cache daemon at {path}: {reason}") from error
+    connection.settimeout(ANSWER_TIMEOUT_S)
+    return connection
+
+
+class CachedStore:
+    """``inner``'s files, read from the cache daemon at ``client`` (see the module's description)."""
+
+    shares_memory = True
+    """Its files are shared memory: ``zero_copy="auto"`` hands out views of them."""
+
+    def __init__(self, inner: Store, client: CacheClient, storage_options: Mapping[str, object] | None) -> None:
+        self.inner = inner
+        self.client = client
+        self.lists = inner.lists
+        try:
+            self._storage_options = json.loads(json.dumps(dict(storage_options or {})))
+        except (TypeError, ValueError) as error:
+            raise CacheProtocolError(f"storage_options must be JSON to travel to the cache daemon: {error}") from error
+        self._segments: dict[str, SegmentSource] = {}
+        """Each file's segment, attached once per checkpoint (the plan reads its header, the reads its bytes)."""
+
+    def is_dir(self, uri: str) -> bool:
+        return self.inner.is_dir(uri)
+
+    def exists(self, uri: str) -> bool:
+        return self.inner.exists(uri)
+
+    def list_names(self, uri: str) -> list[str]:
+        return self.inner.list_names(uri)
+
+    def join(self, directory: str, name: str) -> str:
+        return self.inner.join(directory, name)
+
+    def resolve_direct(self, uri: str, direct: bool | str) -> bool:
+        return False  # shared memory: there is no page cache to go around
+
+    def open(self, uri: str, *, direct: bool | str = False) -> Source:
+        return self._attach(uri, None, None)
+
+    def open_pinned(self, uri: str, size: int, version: str, *, direct: bool | str = False) -> Source:
+        return self._attach(uri, size, version)
+
+    def mapped(self, uri: str, size: int, version: str | None) -> SegmentSource:
+        """The segment of ``uri`` at ``version``, for views of its bytes."""
+        return self._attach(uri, size, version)
+
+    def close(self) -> None:
+        self._segments.clear()
+        self.client.close()
+        self.inner.close()
+
+    def _attach(self, uri: str, size: int | None, version: str | None) -> SegmentSource:
+        known = self._segments.get(uri)
+        if known is not None and (size is None or (known.size, known.version) == (size, version)):
+            return known
+        named = uri if "://" in uri else os.path.abspath(uri)  # the daemon has a working directory of its own
+        answer, fds = self.client.request(
+            {"op": "attach", "uri": named, "size": size, "version": version, "storage_options": self._storage_options}
+        )
+        try:
+            if len(fds) != 1:
+                raise CacheProtocolError(f"{uri}: the cache daemon answered with {len(fds)} descriptors, not 1")
+            segment = SegmentSource(uri, fds[0], answer)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if size is not None and (segment.size, segment.version) != (size, version):
+            raise SourceChangedError(
+                f"{uri}: the cache holds version {segment.version} ({segment.size} bytes); {version} ({size} bytes) "
+                f"was planned"
+            )
+        self._segments[uri] = segment
+        return segment
+
+
+class SegmentSource:
+    """A cached file: a private mapping of its read-only segment. Reads copy from it; :attr:`bytes` views it."""
+
+    direct = False
+
+    def __init__(self, uri: str, fd: int, answer: Mapping[str, object]) -> None:
+        size, version, head = answer.get("size"), answer.get("version"), answer.get("head_sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(head, str):
+            raise CacheProtocolError(
+                f"{uri}: the cache daemon's answer lacks a size or a checksum: {dict(answer)!r:.200}"
+            )
+        if version is not None and not isinstance(version, str):
+            raise CacheProtocolError(f"{uri}: the cache daemon's answer has a version of type {type(version).__name__}")
+        self.uri, self.size, self.version = uri, size, version
+        self.key = str(answer.get("key"))
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise CacheProtocolError(f"{uri}: the cache's segment is {actual} bytes; the daemon said {size}")
+        # A private mapping by path (no descriptor is kept): torch opens it read-only, writes stay private.
+        self._bytes = (
+            torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=size, dtype=torch.uint8)
+            if size
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        if head_digest(memoryview(self._bytes.numpy())) != head:
+            raise CacheProtocolError(f"{uri}: the cache's segment does not match the checksum of its first bytes")
+
+    @property
+    def bytes(self) -> torch.Tensor:
+        """The file's bytes (uint8), a view of the mapping."""
+        return self._bytes
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        self._check_range(offset, nbytes)
+        return self._bytes[offset : offset + nbytes].numpy().tobytes()
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        self._check_range(offset, len(buffer))
+        destination = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else None
+        if destination is not None:
+            destination.copy_(self._bytes[offset : offset + len(buffer)])
+
+    def verify_unchanged(self) -> None:
+        """A segment never changes (a read-only file, replaced only under another key)."""
+
+    def close(self) -> None:
+        """The mapping lives as long as tensors view it."""
+
+    def _check_range(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or offset + nbytes > self.size:
+            raise TruncatedFileError(f"{self.uri}: bytes {offset}..{offset + nbytes} asked of a {self.size}-byte file")
+
+
+def connect(cache: str) -> CacheClient | None:
+    """A client of the daemon ``cache`` names, or None for ``"auto"`` when no daemon listens (logged once).
+
+    Raises:
+        CacheUnavailableError: an explicitly named socket has no daemon.
+    """
+    path, explicit = resolve_socket(cache)
+    try:
+        return CacheClient(path)
+    except CacheUnavailableError as error:
+        if explicit:
+            raise
+        _log_once(f"cache='auto': {error}; reading from the source")
+        return None
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+def _typed_error(answer: Mapping[str, object], path: str) -> Exception:
+    name, message = answer.get("error"), answer.get("message")
+    text = f"{message}" if isinstance(message, str) else f"the cache daemon at {path} answered {dict(answer)!r:.300}"
+    kind = getattr(errors, name, None) if isinstance(name, str) else None
+    if isinstance(kind, type) and issubclass(kind, errors.WeightstreamError):
+        return kind(text)
+    return CacheError(f"cache daemon at {path}: {text}")
