@@ -1,8 +1,8 @@
 """The node weight cache (issue 18): a fresh process attaching a cached checkpoint, against loading it.
 
 Each round runs every method in a fresh process (interleaved, the page cache warm for the file methods),
-timing from just before the load call (imports done) to every 4 KiB page of every tensor touched, and the
-first tensor:
+timing from just before the load call (each library imported before the clock) to every 4 KiB page of every
+tensor touched:
 
 - ``cache-attach``: ``load_weights(uri, cache=SOCKET)``: views of the daemon's shared-memory segments;
 - ``weightstream-owned``: ``load_weights(uri)`` from the warm page cache into owned memory;
@@ -15,7 +15,8 @@ And the restart case: ``--s3`` also uploads the checkpoint to a local SeaweedFS 
 
     python benchmarks/cache_bench.py --size 4GiB --rounds 5 --json benchmarks/cache-4gib.json
 
-Segment pages are 4 KiB here (``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` is ``never``).
+Segment pages are 4 KiB on this machine's ``/dev/shm`` (tmpfs ``huge=never``); ``--dir`` on a tmpfs mounted
+``huge=always`` (``mount -t tmpfs -o size=10G,huge=always tmpfs /mnt/wsc-huge``) gives 2 MiB pages.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from weightstream.cli import parse_size
 TOUCH = """
 import sys, time, json
 import torch
+{imports}
 started = time.perf_counter()
 {load}
 first = None
@@ -53,16 +55,24 @@ total = sum(t.numel() * t.element_size() for t in weights.values())
 print(json.dumps({{"seconds": time.perf_counter() - started, "bytes": total}}))
 """
 LOADS = {
-    "cache-attach": "import weightstream; weights = weightstream.load_weights(sys.argv[1], cache=sys.argv[2])",
-    "weightstream-owned": "import weightstream; weights = weightstream.load_weights(sys.argv[1])",
+    "cache-attach": (
+        "import weightstream, weightstream.sources.cache",
+        "weights = weightstream.load_weights(sys.argv[1], cache=sys.argv[2])",
+    ),
+    "weightstream-owned": ("import weightstream", "weights = weightstream.load_weights(sys.argv[1])"),
     "safetensors.load_file": (
-        "import glob, os\nfrom safetensors.torch import load_file\nweights = {}\n"
-        "for path in sorted(glob.glob(os.path.join(sys.argv[1], '*.safetensors'))): weights.update(load_file(path))"
+        "import glob, os\nfrom safetensors.torch import load_file",
+        (
+            "weights = {}\nfor path in sorted(glob.glob(os.path.join(sys.argv[1], '*.safetensors'))):\n"
+            "    weights.update(load_file(path))"
+        ),
     ),
     "cache-attach-owned": (
-        "import weightstream; weights = weightstream.load_weights(sys.argv[1], cache=sys.argv[2], zero_copy=False)"
+        "import weightstream, weightstream.sources.cache",
+        "weights = weightstream.load_weights(sys.argv[1], cache=sys.argv[2], zero_copy=False)",
     ),
 }
+"""Each method's imports (before the clock, as every library's are) and its load."""
 FROM_START = """
 import sys, time, json
 import weightstream, torch
@@ -114,14 +124,25 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--s3", action="store_true", help="also the restart of an S3-sourced checkpoint")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--dir",
+        default="/dev/shm",
+        help="where the daemon's segment directory goes: /dev/shm (4 KiB pages here) or a tmpfs mounted huge=always",
+    )
     args = parser.parse_args()
     checkpoint = demo_checkpoint(args.size, shards=4)
     token = os.urandom(4).hex()
-    directory, socket_path = f"/dev/shm/wsc-bench-{token}", f"/tmp/wsc-bench-{token}.sock"
+    directory, socket_path = f"{args.dir}/wsc-bench-{token}", f"/tmp/wsc-bench-{token}.sock"
     scratch = tempfile.mkdtemp(prefix="wsc-s3-")
     seaweed, uri = start_s3(checkpoint, Path(scratch)) if args.s3 else (None, None)  # before the daemon: its env
     daemon = start_daemon(directory, socket_path)
-    report: dict = {"checkpoint": checkpoint, "size": args.size, "rounds": args.rounds, "seconds": {}}
+    report: dict = {
+        "checkpoint": checkpoint,
+        "size": args.size,
+        "rounds": args.rounds,
+        "segments": args.dir,
+        "seconds": {},
+    }
     try:
         subprocess.run(
             [
@@ -139,10 +160,11 @@ def main() -> int:
             cwd=ROOT,
             capture_output=True,
         )
-        run(TOUCH.format(load=LOADS["weightstream-owned"]), checkpoint)  # the page cache warm
+        imports, load = LOADS["weightstream-owned"]
+        run(TOUCH.format(imports=imports, load=load), checkpoint)  # the page cache warm
         for round_number in range(args.rounds):
-            for method, load in LOADS.items():
-                result = run(TOUCH.format(load=load), checkpoint, socket_path)
+            for method, (imports, load) in LOADS.items():
+                result = run(TOUCH.format(imports=imports, load=load), checkpoint, socket_path)
                 report["seconds"].setdefault(method, []).append(result["seconds"])
                 gbps = result["bytes"] / result["seconds"] / 1e9
                 print(f"round {round_number + 1}/{args.rounds} {method:24s} {gbps:7.2f} GB/s", flush=True)
@@ -187,14 +209,22 @@ def s3_restart(uri: str, socket_path: str, rounds: int) -> dict:
     """From process start to every page touched: through the cache (filled once before) against streaming."""
     run(FROM_START, uri, json.dumps({"cache": socket_path}))  # the daemon fills it once
     seconds: dict[str, list[float]] = {}
+    in_process = TOUCH.format(
+        imports="import weightstream, weightstream.sources.cache",
+        load="weights = weightstream.load_weights(sys.argv[1], **json.loads(sys.argv[2]))",
+    )
+    cached, streamed = json.dumps({"cache": socket_path}), "{}"
     for _ in range(rounds):
-        seconds.setdefault("s3-through-cache", []).append(timed(FROM_START, uri, json.dumps({"cache": socket_path})))
-        seconds.setdefault("s3-streaming", []).append(timed(FROM_START, uri, "{}"))
+        seconds.setdefault("s3-through-cache", []).append(timed(FROM_START, uri, cached))
+        seconds.setdefault("s3-streaming", []).append(timed(FROM_START, uri, streamed))
+        seconds.setdefault("s3-through-cache-imported", []).append(run(in_process, uri, cached)["seconds"])
+        seconds.setdefault("s3-streaming-imported", []).append(run(in_process, uri, streamed)["seconds"])
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     return {
         "seconds": seconds,
         "median_seconds": medians,
-        "speedup": medians["s3-streaming"] / medians["s3-through-cache"],
+        "speedup_from_process_start": medians["s3-streaming"] / medians["s3-through-cache"],
+        "speedup_imports_done": medians["s3-streaming-imported"] / medians["s3-through-cache-imported"],
     }
 
 

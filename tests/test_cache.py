@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 import weightstream
 from tests.cache_daemon import ROOT, Daemon
 from tests.conftest import assert_same, save_hf_sharded
+from weightstream.cache.segments import tmpfs_huge_pages
 from weightstream.errors import (
     CacheFullError,
     CacheProtocolError,
@@ -365,6 +366,23 @@ def test_a_segment_that_does_not_match_its_checksum_is_refused(tmp_path, daemon,
         weightstream.load_weights(tmp_path / "model.safetensors", cache=str(daemon.socket))
 
 
+@pytest.mark.skipif(tmpfs_huge_pages("/dev/shm") != "never", reason="/dev/shm gives huge pages here")
+def test_huge_pages_on_a_filesystem_without_them_is_refused_at_start(places):
+    directory, sock = places
+    result = subprocess.run(
+        [sys.executable, "-m", "weightstream.cli", "cache", "serve", "--dir", str(directory), "--socket", str(sock)]
+        + ["--huge-pages", "on"],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "huge pages asked for, but its filesystem gives none (tmpfs huge=never)" in result.stderr
+    assert not sock.exists()
+
+
 def test_cli_prefetch_ls_stats_evict_stop(tmp_path, daemon):
     save_file(state(), str(tmp_path / "model.safetensors"))
 
@@ -383,7 +401,9 @@ def test_cli_prefetch_ls_stats_evict_stop(tmp_path, daemon):
     prefetched = cli("prefetch", str(tmp_path / "model.safetensors"))
     assert prefetched["files"] == 1 and len(prefetched["keys"]) == 1
     assert cli("ls")["entries"][0]["key"] == prefetched["keys"][0]
-    assert cli("stats")["fills"] == 1
+    stats = cli("stats")
+    assert stats["fills"] == 1
+    assert stats["huge_pages"] is (tmpfs_huge_pages(str(daemon.directory)) in ("always", "within_size", "advise"))
     assert cli("evict")["evicted"] == prefetched["keys"]
     assert cli("stop")["stopping"] is True
     assert daemon.process.wait(timeout=30) == 0

@@ -101,7 +101,10 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
     try:
         if opts.cache is not None:
             store = _through_cache(store, opts)
-        loader, opts = chosen or _checked_loader(resolve_format(location), opts, own)
+        # Through the node cache a remote checkpoint's bytes are local shared memory: the views of the
+        # safetensors loader beat streaming copies of them.
+        automatic = "safetensors" if getattr(store, "shares_memory", False) else resolve_format(location)
+        loader, opts = chosen or _checked_loader(automatic, opts, own)
         plan = loader.plan(store, location, opts)
     except BaseException:
         store.close()

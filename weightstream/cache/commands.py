@@ -31,6 +31,13 @@ def add_cache_commands(commands: argparse._SubParsersAction, parse_size: object)
     serve.add_argument("--group", default=None, help="also serve this group's processes (name or gid)")
     serve.add_argument("--json", action="store_true", help="print the daemon's status as JSON once it listens")
     serve.add_argument(
+        "--huge-pages",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto: ask for huge pages (a tmpfs mounted huge=always or huge=advise gives them); on: refuse to start "
+        "on a filesystem without them; off: 4 KiB pages",
+    )
+    serve.add_argument(
         "--idle-timeout",
         type=float,
         default=10.0,
@@ -69,7 +76,13 @@ def _serve(args: argparse.Namespace) -> int:
         None if args.group is None else (int(args.group) if args.group.isdigit() else grp.getgrnam(args.group).gr_gid)
     )
     return run_daemon(
-        args.dir, _socket(args), args.budget, group=group, status=args.json, idle_timeout_s=args.idle_timeout
+        args.dir,
+        _socket(args),
+        args.budget,
+        group=group,
+        status=args.json,
+        idle_timeout_s=args.idle_timeout,
+        huge_pages=args.huge_pages,
     )
 
 

@@ -67,12 +67,13 @@ class CacheDaemon:
         fill_threads: int = 16,
         idle_timeout_s: float = 10.0,
         max_clients: int = 64,
+        huge_pages: str = "auto",
     ) -> None:
         self.socket_path = socket_path
         self.group = group
         self.fill_threads = fill_threads
         self.idle_timeout_s = idle_timeout_s
-        self.segments = SegmentStore(directory, budget)
+        self.segments = SegmentStore(directory, budget, huge_pages)
         self._lock = threading.Lock()
         self._fills: dict[str, concurrent.futures.Future[Segment]] = {}
         self._pending_bytes = 0
@@ -144,6 +145,7 @@ class CacheDaemon:
                 "socket": self.socket_path,
                 "directory": self.segments.directory,
                 "budget": self.segments.budget,
+                "huge_pages": self.segments.filesystem_huge_pages not in (None, "never", "deny"),
                 "entries": len(self.segments.segments),
                 "bytes": self.segments.used_bytes,
                 "filling": len(self._fills),
@@ -368,9 +370,12 @@ def run_daemon(
     group: int | None = None,
     status: bool = False,
     idle_timeout_s: float = 10.0,
+    huge_pages: str = "auto",
 ) -> int:
     """``weightstream cache serve``: run in the foreground until SIGTERM; 0 on a clean stop."""
-    daemon = CacheDaemon(directory, socket_path, budget, group=group, idle_timeout_s=idle_timeout_s)
+    daemon = CacheDaemon(
+        directory, socket_path, budget, group=group, idle_timeout_s=idle_timeout_s, huge_pages=huge_pages
+    )
     daemon.install_signal_handlers()
     daemon.serve(on_ready=(lambda: print(json.dumps(daemon.status()), flush=True)) if status else None)
     return 0

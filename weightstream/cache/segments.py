@@ -27,7 +27,7 @@ import re
 import time
 from collections.abc import Iterator
 
-from weightstream.errors import CacheFullError, CacheProtocolError, FormatError
+from weightstream.errors import CacheError, CacheFullError, FormatError
 from weightstream.formats.strict_json import parse_json
 from weightstream.sources.base import Source
 from weightstream.sources.cache_protocol import HEAD_BYTES, head_digest
@@ -39,7 +39,7 @@ FILL_CHUNK_BYTES = 8 << 20
 MEMORY_RESERVE_BYTES = 256 << 20
 """Left free when checking a fill against the memory available and the cgroup's limit."""
 KEY = re.compile(r"^[0-9a-f]{32}$")
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 
 
 def segment_key(uri: str, size: int, version: str | None) -> str:
@@ -84,16 +84,29 @@ class SegmentStore:
     Not thread-safe: the daemon calls it under its lock (fills run outside it, see :meth:`fill`).
     """
 
-    def __init__(self, directory: str, budget: int | None) -> None:
+    def __init__(self, directory: str, budget: int | None, huge_pages: str = "auto") -> None:
         self.directory = directory
         self.budget = budget
         os.makedirs(directory, mode=0o700, exist_ok=True)
         status = os.stat(directory)
         if status.st_uid != os.getuid() or status.st_mode & 0o022:
-            raise CacheProtocolError(
+            raise CacheError(
                 f"{directory}: the cache directory must belong to this user (uid {os.getuid()}) and be writable by it "
                 f"alone; it is uid {status.st_uid}, mode {oct(status.st_mode & 0o777)}"
             )
+        self.filesystem_huge_pages = tmpfs_huge_pages(directory)
+        """The ``huge=`` policy of the tmpfs holding the directory (``never``, ``always``, ``within_size``,
+        ``advise``), or ``None`` where it is no tmpfs."""
+        if huge_pages not in ("auto", "on", "off"):
+            raise CacheError(f"huge_pages must be auto, on or off, got {huge_pages!r}")
+        if huge_pages == "on" and self.filesystem_huge_pages in (None, "never", "deny"):
+            raise CacheError(
+                f"{directory}: huge pages asked for, but its filesystem gives none (tmpfs huge="
+                f"{self.filesystem_huge_pages}); mount one for the cache: mount -t tmpfs -o size=SIZE,huge=always "
+                f"tmpfs DIR"
+            )
+        self.advise_huge_pages = huge_pages != "off"
+        """Fills ask for huge pages (``MADV_HUGEPAGE``: honoured on a tmpfs mounted ``huge=advise``)."""
         self.segments: dict[str, Segment] = {}
         self.adopted, self.discarded = self._adopt()
 
@@ -141,7 +154,7 @@ class SegmentStore:
             try:
                 if source.size:
                     os.ftruncate(fd, source.size)
-                    _read_whole(source, fd, threads)
+                    _read_whole(source, fd, threads, self.advise_huge_pages)
                 source.verify_unchanged()
                 head = head_digest(os.pread(fd, min(source.size, HEAD_BYTES), 0)) if source.size else head_digest(b"")
                 os.fchmod(fd, 0o444)
@@ -251,9 +264,12 @@ class SegmentStore:
         return segment
 
 
-def _read_whole(source: Source, fd: int, threads: int) -> None:
+def _read_whole(source: Source, fd: int, threads: int, huge_pages: bool) -> None:
     """Read all of ``source`` into the file ``fd`` (already of its size) through a shared mapping."""
     with mmap.mmap(fd, source.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mapping:
+        if huge_pages:
+            with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages
+                mapping.madvise(mmap.MADV_HUGEPAGE)
         view = memoryview(mapping)
         try:
             offsets = range(0, source.size, FILL_CHUNK_BYTES)
@@ -269,6 +285,29 @@ def _read_whole(source: Source, fd: int, threads: int) -> None:
                         raise read.exception()  # type: ignore[misc]
         finally:
             view.release()
+
+
+def tmpfs_huge_pages(directory: str) -> str | None:
+    """The ``huge=`` option of the tmpfs that holds ``directory`` (``never`` when the mount says nothing), or
+    ``None`` when it is not a tmpfs.
+
+    Example:
+        >>> tmpfs_huge_pages("/dev/shm") in ("never", "always", "within_size", "advise", None)
+        True
+    """
+    target = os.path.realpath(directory)
+    best: tuple[str, str, str] | None = None
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            separator = fields.index("-")
+            point, kind, options = fields[4], fields[separator + 1], fields[separator + 3]
+            inside = target == point or target.startswith(point.rstrip("/") + "/")
+            if inside and (best is None or len(point) > len(best[0])):
+                best = (point, kind, options)
+    if best is None or best[1] != "tmpfs":
+        return None
+    return next((option[5:] for option in best[2].split(",") if option.startswith("huge=")), "never")
 
 
 def _pids() -> Iterator[int]:

@@ -28,9 +28,9 @@ MAX_ANSWER_BYTES = 16 << 20
 """An answer lists at most the cache's entries (``ls``): 16 MiB holds about 50,000."""
 MAX_FDS = 1
 """Descriptors per message: an ``attach`` answer hands over one segment."""
-HEAD_BYTES = 1 << 20
-"""An attach answer carries the sha256 of the segment's first bytes (a safetensors header's region): the
-client checks the segment it maps against it."""
+HEAD_BYTES = 64 << 10
+"""An attach answer carries the sha256 of the segment's first bytes: the client checks the segment it maps
+against it (the header it then parses is checked by the parser itself). 64 KiB: 1 MiB cost 3 ms an attach."""
 
 OPERATIONS: dict[str, dict[str, tuple[type, ...]]] = {
     "attach": {"uri": (str,), "size": (int, type(None)), "version": (str, type(None)), "storage_options": (dict,)},
