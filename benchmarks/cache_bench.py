@@ -9,6 +9,10 @@ tensor touched:
 - ``safetensors.load_file``: views of a private file mapping (the page cache's pages);
 - ``cache-attach-owned``: ``load_weights(uri, cache=SOCKET, zero_copy=False)``: copies out of the segments.
 
+``--processes N``: N processes at once, page cache cold and the cache empty, each holding every tensor of the
+checkpoint: bytes read from storage (theirs, and the daemon's) and node memory (Shmem + their anonymous RSS, and
+the same less an idle interpreter's anonymous RSS each), against N direct loads.
+
 And the restart case: ``--s3`` also uploads the checkpoint to a local SeaweedFS and times, in fresh processes,
 ``load_weights(s3://..., cache=SOCKET)`` (attach; the daemon filled it once) against ``load_weights(s3://...)``
 (streaming it again), from process start to every page touched.
@@ -84,6 +88,77 @@ print(json.dumps({"bytes": sum(t.numel() * t.element_size() for t in weights.val
 """
 
 
+HOLDER = """
+import sys, json
+import torch, weightstream
+weights = weightstream.load_weights(sys.argv[1], **json.loads(sys.argv[2])) if sys.argv[1] else {}
+for tensor in weights.values():
+    raw = tensor.reshape(-1).view(torch.uint8)
+    int(raw[::4096].sum()) if raw.numel() else 0
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith("Rss"))
+io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
+rss_anon = int(status["RssAnon"].split()[0]) * 1024
+print(json.dumps({"rss_anon": rss_anon, "read_bytes": int(io["read_bytes"])}), flush=True)
+sys.stdin.readline()  # hold the weights until the parent has measured the node
+"""
+
+
+def shmem_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("Shmem:"))
+
+
+def read_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("read_bytes:"))
+
+
+def processes(checkpoint: str, count: int, options: dict, daemon_pid: int | None) -> dict:
+    """``count`` processes loading ``checkpoint`` at once from a cold page cache (and an empty cache):
+    bytes read from storage (theirs and the daemon's) and node memory (Shmem + their anonymous RSS)."""
+    from weightstream.sources.pagecache import drop
+
+    for path in Path(checkpoint).glob("*.safetensors"):
+        drop(str(path))
+    shmem_before = shmem_bytes()
+    daemon_before = read_bytes(daemon_pid) if daemon_pid is not None else 0
+    started = time.perf_counter()
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", HOLDER, checkpoint, json.dumps(options)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
+    reports = [json.loads(child.stdout.readline()) for child in children]
+    seconds = time.perf_counter() - started
+    shmem = shmem_bytes() - shmem_before
+    for child in children:
+        child.stdin.write("\n")
+        child.stdin.close()
+        child.wait(timeout=60)
+        child.stdout.close()
+    baseline = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", HOLDER, "", "{}"], input="\n", cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+    )["rss_anon"]
+    storage = sum(report["read_bytes"] for report in reports)
+    storage += read_bytes(daemon_pid) - daemon_before if daemon_pid is not None else 0
+    return {
+        "seconds": seconds,
+        "storage_read_bytes": storage,
+        "node_memory_bytes": shmem + sum(report["rss_anon"] for report in reports),
+        "shmem_bytes": shmem,
+        "rss_anon_bytes": [report["rss_anon"] for report in reports],
+        "interpreter_rss_anon_bytes": baseline,
+        "node_memory_for_weights_bytes": shmem + sum(report["rss_anon"] - baseline for report in reports),
+    }
+
+
 def run(code: str, *args: str) -> dict:
     result = subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, text=True, cwd=ROOT)
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -123,6 +198,9 @@ def main() -> int:
     parser.add_argument("--size", type=parse_size, default=4 << 30)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--s3", action="store_true", help="also the restart of an S3-sourced checkpoint")
+    parser.add_argument(
+        "--processes", type=int, default=0, help="also N processes loading at once, cold: storage bytes, node memory"
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--dir",
@@ -170,6 +248,28 @@ def main() -> int:
                 print(f"round {round_number + 1}/{args.rounds} {method:24s} {gbps:7.2f} GB/s", flush=True)
         if uri is not None:
             report["s3"] = s3_restart(uri, socket_path, args.rounds)
+        if args.processes:
+            subprocess.run(
+                [sys.executable, "-m", "weightstream.cli", "cache", "evict", "--socket", socket_path, "--json"],
+                check=True,
+                cwd=ROOT,
+                capture_output=True,
+            )
+            direct = processes(checkpoint, args.processes, {}, None)
+            cached = processes(checkpoint, args.processes, {"cache": socket_path}, daemon.pid)
+            size = sum(path.stat().st_size for path in Path(checkpoint).glob("*.safetensors"))
+            report["processes"] = {
+                "count": args.processes,
+                "checkpoint_bytes": size,
+                "direct": direct,
+                "cache": cached,
+                "cache_storage_reads_per_copy": cached["storage_read_bytes"] / size,
+                "cache_node_memory_per_copy": cached["node_memory_bytes"] / size,
+                "direct_storage_reads_per_copy": direct["storage_read_bytes"] / size,
+                "direct_node_memory_per_copy": direct["node_memory_bytes"] / size,
+                "cache_weights_memory_per_copy": cached["node_memory_for_weights_bytes"] / size,
+                "direct_weights_memory_per_copy": direct["node_memory_for_weights_bytes"] / size,
+            }
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=60)
@@ -183,11 +283,7 @@ def main() -> int:
     report["gbps"] = {method: args.size / seconds / 1e9 for method, seconds in summary.items()}
     base = summary["cache-attach"]
     report["attach_speedup"] = {method: seconds / base for method, seconds in summary.items()}
-    print(
-        json.dumps(
-            {"gbps": report["gbps"], "attach_speedup": report["attach_speedup"], "s3": report.get("s3")}, indent=1
-        )
-    )
+    print(json.dumps({key: report.get(key) for key in ("gbps", "attach_speedup", "s3", "processes")}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
