@@ -8,10 +8,14 @@ The adapter's own checks without SGLang run in this environment."""
 from __future__ import annotations
 
 import json
+import secrets
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.cache_daemon import Daemon
 
 ROOT = Path(__file__).parent.parent
 ENGINE_TIMEOUT = 600
@@ -28,8 +32,6 @@ FORMATS = [
 def converted(model: Path, directory: Path) -> Path:
     """``weightstream convert --engine sglang --tp 1`` of ``model``, its config beside it (SGLang runs a CPU rank of
     one)."""
-    import shutil
-
     from weightstream.save.convert import convert_to_sharded_state
 
     convert_to_sharded_state(model, directory, tp=1, engine="sglang")
@@ -69,6 +71,8 @@ def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
     s3_uri = upload("s3", model, f"sglang-{work.name}")
     paths["converted"] = converted(model, work / "converted-tp1")
     cli = ["--model-path", str(model), "--device", "cpu"]
+    token = secrets.token_hex(4)
+    segments, sock = Path(f"/dev/shm/wsc-sglang-{token}"), Path(f"/dev/shm/wsc-sglang-{token}.sock")
     request = {
         "model": str(model),
         "port": free_port(),
@@ -131,17 +135,29 @@ def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
             "not-ours": {"model": str(model), "load_format": "weightstream-nonesuch"},
             "engine-owned-option": {"model": str(model), "load_format": "weightstream", "extra": {"rank": 1}},
             "unknown-option": {"model": str(model), "load_format": "weightstream", "extra": {"thread": 2}},
+            "cache-cold": {"model": str(model), "load_format": "weightstream", "extra": {"cache": str(sock)}},
+            "cache-warm": {"model": str(model), "load_format": "weightstream", "extra": {"cache": str(sock)}},
+            "cache-layered": {
+                "model": str(model),
+                "load_format": "weightstream-layered",
+                "extra": {"cache": str(sock)},
+            },
         },
     }
-    result = subprocess.run(
-        [python, "-m", "tests.sglang_check", json.dumps(request)],
-        check=False,
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=ENGINE_TIMEOUT,
-    )
+    try:
+        with Daemon(segments, sock):
+            result = subprocess.run(
+                [python, "-m", "tests.sglang_check", json.dumps(request)],
+                check=False,
+                cwd=ROOT,
+                env=environment,
+                capture_output=True,
+                text=True,
+                timeout=ENGINE_TIMEOUT,
+            )
+    finally:
+        shutil.rmtree(segments, ignore_errors=True)
+        sock.with_suffix(".log").unlink(missing_ok=True)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1]), paths
 
@@ -176,7 +192,10 @@ def test_every_format_fills_sglangs_llama_as_its_own_loader_does(sglang):
         "model.layers.0.self_attn.qkv_proj.weight" in reference["names"]
         and "model.layers.0.self_attn.rotary_emb.cos_sin_cache" in reference["names"]
     )
-    for name in ("weightstream", "weightstream-cold", "safetensors", "layered", "distributed", "streaming-s3", "class"):
+    for name in (
+        *("weightstream", "weightstream-cold", "safetensors", "layered", "distributed", "streaming-s3", "class"),
+        *("cache-cold", "cache-warm", "cache-layered"),
+    ):
         assert results[name].get("differ") == [] and results[name]["names"] == reference["names"], (name, results[name])
     assert results["layered"]["loader"] == "WeightstreamModelLoader_weightstream_layered"
 

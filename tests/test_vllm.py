@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import time
@@ -16,6 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.cache_daemon import Daemon
 
 ROOT = Path(__file__).parent.parent
 ENGINE_TIMEOUT = 600
@@ -76,6 +79,7 @@ def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], di
     python, model = vllm
     work = tmp_path_factory.mktemp("vllm-cases")
     paths = {
+        "model": model,
         "state": work / "tp1",
         "served-state": work / "served-state",
         "headless": variant(model, work / "headless", without_head),
@@ -132,8 +136,38 @@ def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], di
         "engine-owned-option": {"model": str(model), "load_format": "weightstream", "extra": {"device": "cpu"}},
         "unknown-option": {"model": str(model), "load_format": "weightstream", "extra": {"thread": 2}},
     }
+    token = secrets.token_hex(4)
+    segments, sock = Path(f"/dev/shm/wsc-vllm-{token}"), Path(f"/dev/shm/wsc-vllm-{token}.sock")
+    absent = str(work / "no-daemon.sock")
+    cases |= {
+        "cache-cold": {"model": str(model), "load_format": "weightstream", "extra": {"cache": str(sock)}},
+        "cache-warm": {"model": str(model), "load_format": "weightstream", "extra": {"cache": str(sock)}},
+        "cache-absent": {"model": str(model), "load_format": "weightstream", "extra": {"cache": absent}},
+        "cache-required-absent": {
+            "model": str(model),
+            "load_format": "weightstream",
+            "extra": {"cache": absent, "cache_required": True},
+        },
+    }
     offline_cache = {"HF_HUB_CACHE": str(work / "hf-cache"), "HF_HUB_OFFLINE": "1"}
-    return dict(zip(cases, generate(python, list(cases.values()), offline_cache), strict=True)), paths
+    try:
+        with Daemon(segments, sock) as daemon:
+            results = dict(zip(cases, generate(python, list(cases.values()), offline_cache), strict=True))
+            paths["cache-stats"] = request_stats(daemon.socket)
+    finally:
+        shutil.rmtree(segments, ignore_errors=True)
+        sock.with_suffix(".log").unlink(missing_ok=True)
+    return results, paths
+
+
+def request_stats(sock: Path) -> dict:
+    from weightstream.sources.cache import CacheClient
+
+    client = CacheClient(str(sock))
+    try:
+        return client.request({"op": "stats"})[0]
+    finally:
+        client.close()
 
 
 @pytest.mark.slow
@@ -145,6 +179,22 @@ def test_every_format_gives_the_tokens_of_auto(in_process):
     )
     for name in ("weightstream", "weightstream-cold", "safetensors", "layered", "distributed", "streaming-s3"):
         assert results[name].get("tokens") == reference, (name, results[name])
+
+
+@pytest.mark.slow
+def test_through_the_node_cache_cold_and_warm_the_tokens_are_autos(in_process):
+    results, paths = in_process
+    for name in ("cache-cold", "cache-warm", "cache-absent"):
+        assert results[name].get("tokens") == results["auto"]["tokens"], (name, results[name])
+    stats = paths["cache-stats"]
+    files = len(list(paths["model"].glob("model*.safetensors*")))  # its shards, and an index if it has one
+    assert stats["fills"] == files and stats["hits"] >= files, stats  # filled once (cold), attached after (warm)
+    assert any(
+        "reading the weights from their source (cache_required is not set)" in said
+        for said in results["cache-absent"]["said"]
+    )
+    error = results["cache-required-absent"]["outer"]  # ("error" is the root cause: the socket's FileNotFoundError)
+    assert error[0] == "CacheUnavailableError" and "no weightstream cache daemon at" in error[1], error
 
 
 @pytest.mark.slow

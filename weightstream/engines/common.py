@@ -78,8 +78,48 @@ def loader_options(extra: Mapping[str, Any] | None, load_format: str) -> tuple[s
         raise InvalidOptionError(
             f"{load_format}: {', '.join(owned)} in the extra loader config: the engine decides these"
         )
+    options = engine_cache(options, load_format)
     split_options(options)
     return uri, options
+
+
+def engine_cache(options: dict[str, Any], load_format: str) -> dict[str, Any]:
+    """``options`` with the node cache an engine's load reads through: ``cache`` from the extra config, or
+    ``"auto"`` when ``$WEIGHTSTREAM_CACHE`` is set. With ``cache_required`` (default ``False``) a daemon that
+    does not answer is an error (``CacheUnavailableError`` at load); without it, the load reads its source,
+    and the log says why, once, at engine start.
+
+    Example:
+        >>> engine_cache({"threads": 4}, "weightstream")
+        {'threads': 4}
+    """
+    from weightstream.errors import CacheUnavailableError
+    from weightstream.sources.cache import ENVIRONMENT, CacheClient, resolve_socket
+
+    options = dict(options)
+    required = options.pop("cache_required", False)
+    if not isinstance(required, bool):
+        raise InvalidOptionError(f"{load_format}: cache_required must be true or false, got {required!r}")
+    if "cache" not in options and os.environ.get(ENVIRONMENT):
+        options["cache"] = "auto"
+    cache = options.get("cache")
+    if cache is None:
+        if required:
+            raise InvalidOptionError(f"{load_format}: cache_required without a cache (set cache or ${ENVIRONMENT})")
+        return options
+    if not isinstance(cache, str):
+        return options  # the options' own check names the type
+    path, _ = resolve_socket(cache)
+    try:
+        CacheClient(path).close()
+    except CacheUnavailableError as error:
+        if required:
+            raise
+        logger.warning("%s: %s; reading the weights from their source (cache_required is not set)", load_format, error)
+        del options["cache"]
+        return options
+    options["cache"] = path
+    return options
 
 
 def model_weights(
@@ -151,6 +191,9 @@ def checkpoint_reading(
         >>> checkpoint_reading(torch.device("cpu"), "s3://bucket/llama", "auto", {"threads": 8})
         ('auto', {'threads': 8})
     """
+    if options.get("cache") is not None:
+        # Through the node cache the bytes are shared memory already: views of them, whatever the page cache holds.
+        return ("safetensors" if weightstream_format == "auto" else weightstream_format), options
     if (
         device.type != "cpu"
         or "zero_copy" in options
