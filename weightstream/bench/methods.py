@@ -40,6 +40,14 @@ def weightstream_dropping(**options: object) -> Method:
     return load
 
 
+def weightstream_node_cache(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """weightstream.iter_weights through the node cache the bench started (``$WEIGHTSTREAM_CACHE``): views of its
+    shared-memory segments, filled before the first round."""
+    import weightstream
+
+    yield from weightstream.iter_weights(uri, cache=os.environ["WEIGHTSTREAM_CACHE"])
+
+
 def weightstream_ring_cpu(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """The staging ring with the CPU copy engine: what a CUDA load does, minus the device (a diagnostic)."""
     import weightstream
@@ -192,6 +200,7 @@ METHODS: dict[str, tuple[Method, str | None]] = {
     "weightstream-zero-copy": (weightstream_with(zero_copy=True), None),
     "weightstream-ring-cpu": (weightstream_ring_cpu, None),
     "weightstream-layered": (weightstream_dropping(format="layered"), None),
+    "weightstream-node-cache": (weightstream_node_cache, None),
     # A sharded-state directory (weightstream convert): rank 0's files, unverified and verified.
     "weightstream-rank0": (weightstream_with(format="sharded-state", rank=0), None),
     "weightstream-rank0-verify": (weightstream_with(format="sharded-state", rank=0, verify=True), None),
@@ -207,6 +216,9 @@ METHODS: dict[str, tuple[Method, str | None]] = {
 
 
 METHODS_BY_DEVICE = {"cpu": METHODS, "cuda": CUDA_METHODS}
+
+NODE_CACHE_METHODS = frozenset({"weightstream-node-cache"})
+"""Methods that read through a cache daemon, which the bench starts (and fills) for them."""
 
 SHARDED_STATE_METHODS = frozenset({"weightstream-rank0", "weightstream-rank0-verify"})
 """Methods that read a sharded-state directory (benchmarks/sharded_state_bench.py): run only when named."""

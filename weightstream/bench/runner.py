@@ -12,12 +12,13 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from weightstream.bench.methods import METHODS_BY_DEVICE, SHARDED_STATE_METHODS, missing_module
+from weightstream.bench.methods import METHODS_BY_DEVICE, NODE_CACHE_METHODS, SHARDED_STATE_METHODS, missing_module
 from weightstream.bench.remote_methods import REMOTE_METHODS, remote_skip_reason
 from weightstream.bench.worker import REMOTE, file_sizes
 from weightstream.errors import BenchmarkError, DeviceUnavailableError, InvalidOptionError
@@ -144,6 +145,52 @@ def run_bench(
         for c in caches
         for m in methods
     }
+    daemon = node_cache(uri) if NODE_CACHE_METHODS & set(methods) else contextlib.nullcontext()
+    with daemon:
+        _rounds(rounds, caches, methods, rows, remote, files, worker_device, uri, on_run)
+    return BenchReport(uri, files, sum(file_sizes(uri, files)), rounds, list(rows.values()), _machine(device), device)
+
+
+@contextlib.contextmanager
+def node_cache(uri: str) -> Iterator[str]:
+    """A cache daemon of the bench's own (segments in ``/dev/shm``), holding ``uri`` before the first round, its
+    socket in ``$WEIGHTSTREAM_CACHE`` for the workers; stopped and removed afterwards."""
+    token = f"{os.getpid()}-{os.urandom(3).hex()}"
+    directory, socket_path = f"/dev/shm/weightstream-bench-{token}", f"/tmp/weightstream-bench-{token}.sock"
+    command = [sys.executable, "-m", "weightstream.cli", "cache", "serve", "--dir", directory, "--socket", socket_path]
+    daemon = subprocess.Popen([*command, "--json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    previous = os.environ.get("WEIGHTSTREAM_CACHE")
+    try:
+        if not daemon.stdout.readline():  # type: ignore[union-attr]
+            raise BenchmarkError("the bench's cache daemon did not start")
+        prefetch = [sys.executable, "-m", "weightstream.cli", "cache", "prefetch", uri, "--socket", socket_path]
+        filled = subprocess.run([*prefetch, "--json"], capture_output=True, text=True, check=False)
+        if filled.returncode != 0:
+            raise BenchmarkError(f"the bench's cache daemon could not be filled: {filled.stderr.strip()[-500:]}")
+        os.environ["WEIGHTSTREAM_CACHE"] = socket_path
+        yield socket_path
+    finally:
+        if previous is None:
+            os.environ.pop("WEIGHTSTREAM_CACHE", None)
+        else:
+            os.environ["WEIGHTSTREAM_CACHE"] = previous
+        daemon.terminate()
+        daemon.wait(timeout=60)
+        daemon.stdout.close()  # type: ignore[union-attr]
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _rounds(
+    rounds: int,
+    caches: Sequence[str],
+    methods: list[str],
+    rows: dict[tuple[str, str], Row],
+    remote: bool,
+    files: list[str],
+    worker_device: str,
+    uri: str,
+    on_run: Callable[[str], None] | None,
+) -> None:
     for round_number in range(rounds):
         for cache in caches:
             for method in methods:
@@ -168,7 +215,6 @@ def run_bench(
                         f"round {round_number + 1}/{rounds} {cache:4s} {method:24s} "
                         f"{run['bytes'] / run['seconds'] / 1e9:6.2f} GB/s"
                     )
-    return BenchReport(uri, files, sum(file_sizes(uri, files)), rounds, list(rows.values()), _machine(device), device)
 
 
 def check_device(device: str) -> None:
