@@ -212,7 +212,11 @@ def main() -> int:
     token = os.urandom(4).hex()
     directory, socket_path = f"{args.dir}/wsc-bench-{token}", f"/tmp/wsc-bench-{token}.sock"
     scratch = tempfile.mkdtemp(prefix="wsc-s3-")
-    seaweed, uri = start_s3(checkpoint, Path(scratch)) if args.s3 else (None, None)  # before the daemon: its env
+    try:
+        seaweed, uri = start_s3(checkpoint, Path(scratch)) if args.s3 else (None, None)  # before the daemon: its env
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     daemon = start_daemon(directory, socket_path)
     report: dict = {
         "checkpoint": checkpoint,
