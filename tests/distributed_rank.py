@@ -1,6 +1,7 @@
 """One rank of a distributed-load test: ``python -m tests.distributed_rank INIT RANK WORLD URI MODE [VICTIM]``.
 
-Modes: ``load`` (every tensor, compared with a single-process load), ``filter`` (only layer 1),
+Modes: ``load`` (every tensor, compared with a single-process load), ``filter`` (only layer 1), ``cache`` (every
+rank through the node cache at ``$WEIGHTSTREAM_TEST_CACHE``), ``cache-some`` (the even ranks only),
 ``staged`` (every tensor through a small staging ring with the CPU engine), ``cuda`` (every
 tensor to this rank's GPU over NCCL),
 ``kill`` / ``abandon`` / ``fail`` / ``other-filter`` (rank VICTIM is killed after its first tensor,
@@ -30,6 +31,8 @@ def main(init: str, rank: int, world: int, uri: str, mode: str, victim: int) -> 
     )
     stats = weightstream.DistributedStats()
     options: dict = {"stats": stats, "chunk_bytes": 256 << 10, "threads": 3}
+    if mode == "cache" or (mode == "cache-some" and rank % 2 == 0):
+        options["cache"] = os.environ["WEIGHTSTREAM_TEST_CACHE"]
     if mode == "cuda":
         options["device"] = f"cuda:{rank % torch.cuda.device_count()}"
     wanted = (lambda name: ".layers.1." in name) if mode == "filter" else None

@@ -6,6 +6,8 @@ and the same from the object stores (real servers)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +23,15 @@ ROOT = Path(__file__).parent.parent
 SHAPE = LlamaShape(hidden=256, intermediate=704, layers=3, vocab=1001)  # an odd vocabulary: sizes do not divide evenly
 
 
-def run_ranks(tmp_path: Path, world: int, uri: str, mode: str = "load", victim: int = -1) -> list[dict]:
+def run_ranks(
+    tmp_path: Path, world: int, uri: str, mode: str = "load", victim: int = -1, environment: dict | None = None
+) -> list[dict]:
     init = f"file://{tmp_path / 'rendezvous'}"
     processes = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.distributed_rank", init, str(rank), str(world), uri, mode, str(victim)],
             cwd=ROOT,
+            env={**os.environ, **(environment or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -49,6 +54,35 @@ def checkpoint(tmp_path: Path, state: dict[str, torch.Tensor] | None = None) -> 
     return str(save_hf_sharded(state, tmp_path / "ckpt", shards=2)), sum(
         t.numel() * t.element_size() for t in state.values()
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["cache", "cache-some"])
+def test_ranks_on_one_node_attach_its_cache_instead_of_sharing_reads(tmp_path: Path, mode):
+    import secrets
+
+    from tests.cache_daemon import Daemon
+    from weightstream.sources.cache import CacheClient
+
+    uri, _ = checkpoint(tmp_path)
+    token = secrets.token_hex(4)
+    segments, sock = Path(f"/dev/shm/wsc-dist-{token}"), Path(f"/dev/shm/wsc-dist-{token}.sock")
+    try:
+        with Daemon(segments, sock):
+            results = run_ranks(tmp_path, 3, uri, mode, environment={"WEIGHTSTREAM_TEST_CACHE": str(sock)})
+            client = CacheClient(str(sock))
+            stats = client.request({"op": "stats"})[0]
+            client.close()
+    finally:
+        shutil.rmtree(segments, ignore_errors=True)
+        sock.with_suffix(".log").unlink(missing_ok=True)
+    assert all(r.get("bit_exact") for r in results), results
+    assert stats["fills"] == len(list(Path(uri).iterdir())), stats  # the index and each shard, once for all ranks
+    shared = sum(r["stats"]["sent_bytes"] + r["stats"]["received_bytes"] for r in results)
+    if mode == "cache":
+        assert shared == 0 and all(r["stats"]["read_bytes"] == 0 for r in results), "every rank maps: nothing shared"
+    else:
+        assert shared > 0, "some ranks have no cache: the load is shared as without one"
 
 
 @pytest.mark.slow

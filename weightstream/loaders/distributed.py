@@ -14,6 +14,7 @@ from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan
 from weightstream.readers.distributed import DistributedStats, read_distributed, told_to_peers
+from weightstream.readers.parallel import read_tensors
 from weightstream.sources import Store
 
 if TYPE_CHECKING:
@@ -87,10 +88,26 @@ def _group_of(opts: LoadOptions) -> ProcessGroup | None:
     return group
 
 
+def _every_rank_attached(store: Store, opts: LoadOptions, group: ProcessGroup | None) -> bool:
+    """Whether every rank of ``group`` reads through a node cache (a collective: every rank asks, so that ranks
+    that do and ranks that do not still agree on sharing the load)."""
+    import torch.distributed as dist
+
+    device = torch.device(opts.device) if torch.device(opts.device).type == "cuda" else torch.device("cpu")
+    attached = torch.tensor([int(getattr(store, "shares_memory", False))], dtype=torch.int32, device=device)
+    dist.all_reduce(attached, op=dist.ReduceOp.MIN, group=group)
+    return bool(attached.item())
+
+
 def _read(
     store: Store, plan: LoadPlan, opts: LoadOptions, group: ProcessGroup | None, pinned: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     stats = opts.own(DistributedOptions).stats
+    if _every_rank_attached(store, opts, group):
+        # Every rank reads through its node's cache: the bytes are in shared memory on each node already (one read
+        # from storage, one copy, per node); sharing them over the group would only make a copy per rank.
+        yield from read_tensors(store, plan, opts)
+        return
     if torch.device(opts.device).type == "cuda":
         from weightstream.memory.cuda import CudaStaging
 
