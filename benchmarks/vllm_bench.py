@@ -14,11 +14,14 @@ log line, which both loaders print (vLLM times its weight iteration, weightstrea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -32,10 +35,13 @@ METHODS = {
     "weightstream": ("weightstream", {}),
     "weightstream-copy": ("weightstream", {"zero_copy": False}),
     "weightstream-layered": ("weightstream-layered", {}),
+    "weightstream-cache": ("weightstream", {"cache": None}),
 }
 """``weightstream``: the adapter's default on a CPU engine (local files mapped, ``zero_copy``);
 ``weightstream-copy``: read into weightstream's own memory first, then copied by the engine;
-``weightstream-layered``: read layer by layer into reused buffers, the next layer read while the engine copies one."""
+``weightstream-layered``: read layer by layer into reused buffers, the next layer read while the engine copies one;
+``weightstream-cache``: through a node cache daemon this bench starts and fills first (``--cache-dir``: its segments'
+directory, e.g. on a tmpfs mounted ``huge=always``), the segments mapped whatever the page cache holds."""
 RUN = r"""
 import json, sys
 from vllm import LLM
@@ -70,11 +76,34 @@ def run(python: str, model: Path, load_format: str, extra: dict, checkout: str |
     return float(found[-1])
 
 
+@contextlib.contextmanager
+def node_cache(model: Path, parent: str) -> Iterator[str]:
+    """A cache daemon with its segments under ``parent``, holding ``model``; its socket."""
+    token = os.urandom(4).hex()
+    directory, socket_path = f"{parent}/wsc-vllm-bench-{token}", f"/tmp/wsc-vllm-bench-{token}.sock"
+    command = [sys.executable, "-m", "weightstream.cli", "cache"]
+    daemon = subprocess.Popen(
+        [*command, "serve", "--dir", directory, "--socket", socket_path, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        daemon.stdout.readline()
+        subprocess.run([*command, "prefetch", str(model), "--socket", socket_path, "--json"], check=True)
+        yield socket_path
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--cache-dir", default="/dev/shm", help="where the weightstream-cache method's segments live")
     parser.add_argument(
         "--baseline",
         default=None,
@@ -89,11 +118,15 @@ def main() -> None:
     if args.baseline:
         methods += [f"{method}@baseline" for method in methods if method.startswith("weightstream")]
 
-    def run_method(method: str) -> float:
-        name, _, baseline = method.partition("@")
-        return run(python, model, *METHODS[name], checkout=args.baseline if baseline else None)
+    with node_cache(model, args.cache_dir) if "weightstream-cache" in methods else contextlib.nullcontext() as socket:
 
-    summary = summarise(interleaved_rounds(methods, args.rounds, files, run_method), "auto")
+        def run_method(method: str) -> float:
+            name, _, baseline = method.partition("@")
+            load_format, extra = METHODS[name]
+            extra = {**extra, "cache": socket} if "cache" in extra else extra
+            return run(python, model, load_format, extra, checkout=args.baseline if baseline else None)
+
+        summary = summarise(interleaved_rounds(methods, args.rounds, files, run_method), "auto")
     if args.json:
         Path(args.json).write_text(
             json.dumps(

@@ -87,6 +87,19 @@ def test_a_cached_load_is_the_checkpoint_as_views_of_shared_memory(tmp_path, dae
     assert stats["hits"] >= 1 and stats["referencing_processes"] == 1
 
 
+def test_a_cold_file_is_filled_around_the_page_cache(tmp_path, daemon, no_leaks):
+    from weightstream.sources.pagecache import drop, resident_fraction
+
+    tensors = {"w": torch.randn(3 << 20)}  # 12 MiB and 8 bytes of header: its end is not block-aligned
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    drop(str(tmp_path / "model.safetensors"))
+    loaded = weightstream.load_weights(tmp_path / "model.safetensors", cache=str(daemon.socket))
+    assert torch.equal(loaded["w"], tensors["w"])
+    assert resident_fraction(str(tmp_path / "model.safetensors")) < 0.1, "the fill read it through the page cache"
+    segment = next(daemon.directory.glob("*.seg"))
+    assert segment.stat().st_size == (tmp_path / "model.safetensors").stat().st_size
+
+
 def test_writing_a_view_never_reaches_the_shared_bytes(tmp_path, daemon, no_leaks):
     tensors = state()
     save_file(tensors, str(tmp_path / "model.safetensors"))

@@ -232,10 +232,11 @@ class CacheDaemon:
         uri = str(request["uri"])
         size, version = request.get("size"), request.get("version")
         store = self._store(uri, request.get("storage_options") or {})  # type: ignore[arg-type]
+        # A cold local file is read around the page cache: the segment is its only copy in memory.
         if size is not None and version is not None:
-            source = store.open_pinned(uri, size, version)  # type: ignore[arg-type]
+            source = store.open_pinned(uri, size, version, direct="auto")  # type: ignore[arg-type]
         else:
-            source = store.open(uri)
+            source = store.open(uri, direct="auto")
         try:
             key = segment_key(uri, source.size, source.version)
             with self._lock:

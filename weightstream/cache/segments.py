@@ -31,6 +31,7 @@ from weightstream.errors import CacheError, CacheFullError, FormatError
 from weightstream.formats.strict_json import parse_json
 from weightstream.sources.base import Source
 from weightstream.sources.cache_protocol import HEAD_BYTES, head_digest
+from weightstream.sources.local import DIRECT_ALIGNMENT
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +154,11 @@ class SegmentStore:
         try:
             try:
                 if source.size:
+                    # Direct reads fill whole blocks: the file is padded while it fills, then cut to its size.
+                    padded = -(-source.size // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT if source.direct else source.size
+                    os.ftruncate(fd, padded)
+                    _read_whole(source, fd, padded, threads, self.advise_huge_pages)
                     os.ftruncate(fd, source.size)
-                    _read_whole(source, fd, threads, self.advise_huge_pages)
                 source.verify_unchanged()
                 head = head_digest(os.pread(fd, min(source.size, HEAD_BYTES), 0)) if source.size else head_digest(b"")
                 os.fchmod(fd, 0o444)
@@ -264,15 +268,16 @@ class SegmentStore:
         return segment
 
 
-def _read_whole(source: Source, fd: int, threads: int, huge_pages: bool) -> None:
-    """Read all of ``source`` into the file ``fd`` (already of its size) through a shared mapping."""
-    with mmap.mmap(fd, source.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mapping:
+def _read_whole(source: Source, fd: int, length: int, threads: int, huge_pages: bool) -> None:
+    """Read all of ``source`` into the file ``fd`` (already ``length`` bytes: its size, or padded to whole blocks for
+    direct reads) through a shared mapping."""
+    with mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mapping:
         if huge_pages:
             with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages
                 mapping.madvise(mmap.MADV_HUGEPAGE)
         view = memoryview(mapping)
         try:
-            offsets = range(0, source.size, FILL_CHUNK_BYTES)
+            offsets = range(0, length, FILL_CHUNK_BYTES)
             with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="weightstream-cache-fill") as pool:
                 reads = [
                     pool.submit(source.read_into, offset, view[offset : offset + FILL_CHUNK_BYTES])

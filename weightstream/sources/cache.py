@@ -90,7 +90,7 @@ class CacheClient:
         with self._lock:
             try:
                 answer, fds = self._exchange(message)
-            except (CacheUnavailableError, BrokenPipeError, ConnectionResetError):
+            except CacheUnavailableError:
                 self._socket.close()
                 self._socket = _connect(self.path)
                 answer, fds = self._exchange(message)
@@ -104,13 +104,24 @@ class CacheClient:
         self._socket.close()
 
     def _exchange(self, message: Mapping[str, object]) -> tuple[dict[str, object], list[int]]:
+        """One request and its answer. A daemon that closed the connection may have said why first (a refused
+        client): that answer is read even when sending failed."""
+        what = f"the answer of the cache daemon at {self.path}"
         try:
             send(self._socket, message)
-            return receive(self._socket, MAX_ANSWER_BYTES, f"the answer of the cache daemon at {self.path}")
+        except (BrokenPipeError, ConnectionResetError) as error:
+            try:
+                return receive(self._socket, MAX_ANSWER_BYTES, what)
+            except OSError:
+                raise CacheUnavailableError(f"the cache daemon at {self.path} closed the connection") from error
+        try:
+            return receive(self._socket, MAX_ANSWER_BYTES, what)
         except TimeoutError as error:
             raise CacheUnavailableError(
                 f"the cache daemon at {self.path} did not answer in {ANSWER_TIMEOUT_S:.0f} s"
             ) from error
+        except ConnectionResetError as error:
+            raise CacheUnavailableError(f"the cache daemon at {self.path} reset the connection") from error
 
 
 def _connect(path: str) -> socket.socket:
