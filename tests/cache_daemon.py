@@ -3,11 +3,15 @@ segment directory of the test's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from typing_extensions import Self
@@ -62,3 +66,38 @@ class Daemon:
     def __exit__(self, *exc_info: object) -> None:
         if self.process is not None and self.process.poll() is None:
             self.stop()
+
+
+def places(prefix: str) -> tuple[Path, Path]:
+    """A fresh segment directory and socket path on /dev/shm (short paths: a socket's is at most 107 bytes)."""
+    token = secrets.token_hex(4)
+    return Path(f"/dev/shm/wsc-{prefix}-{token}"), Path(f"/dev/shm/wsc-{prefix}-{token}.sock")
+
+
+def remove(directory: Path, socket_path: Path) -> None:
+    """What a daemon of :func:`places` leaves: its segments, its socket, its log."""
+    shutil.rmtree(directory, ignore_errors=True)
+    socket_path.unlink(missing_ok=True)
+    socket_path.with_suffix(".log").unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def running_daemon(prefix: str, *extra: str) -> Iterator[Daemon]:
+    """A daemon on fresh :func:`places`, stopped and removed on leaving."""
+    directory, socket_path = places(prefix)
+    try:
+        with Daemon(directory, socket_path, *extra) as daemon:
+            yield daemon
+    finally:
+        remove(directory, socket_path)
+
+
+def stats(socket_path: Path) -> dict:
+    """The daemon's ``stats`` answer."""
+    from weightstream.sources.cache import CacheClient
+
+    client = CacheClient(str(socket_path))
+    try:
+        return client.request({"op": "stats"})[0]
+    finally:
+        client.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,25 +58,14 @@ def checkpoint(tmp_path: Path, state: dict[str, torch.Tensor] | None = None) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["cache", "cache-some"])
 def test_ranks_on_one_node_attach_its_cache_instead_of_sharing_reads(tmp_path: Path, mode):
-    import secrets
-
-    from tests.cache_daemon import Daemon
-    from weightstream.sources.cache import CacheClient
+    from tests.cache_daemon import running_daemon, stats
 
     uri, _ = checkpoint(tmp_path)
-    token = secrets.token_hex(4)
-    segments, sock = Path(f"/dev/shm/wsc-dist-{token}"), Path(f"/dev/shm/wsc-dist-{token}.sock")
-    try:
-        with Daemon(segments, sock):
-            results = run_ranks(tmp_path, 3, uri, mode, environment={"WEIGHTSTREAM_TEST_CACHE": str(sock)})
-            client = CacheClient(str(sock))
-            stats = client.request({"op": "stats"})[0]
-            client.close()
-    finally:
-        shutil.rmtree(segments, ignore_errors=True)
-        sock.with_suffix(".log").unlink(missing_ok=True)
+    with running_daemon("dist") as daemon:
+        results = run_ranks(tmp_path, 3, uri, mode, environment={"WEIGHTSTREAM_TEST_CACHE": str(daemon.socket)})
+        filled = stats(daemon.socket)
     assert all(r.get("bit_exact") for r in results), results
-    assert stats["fills"] == len(list(Path(uri).iterdir())), stats  # the index and each shard, once for all ranks
+    assert filled["fills"] == len(list(Path(uri).iterdir())), filled  # the index and each shard, once for all ranks
     shared = sum(r["stats"]["sent_bytes"] + r["stats"]["received_bytes"] for r in results)
     if mode == "cache":
         assert shared == 0 and all(r["stats"]["read_bytes"] == 0 for r in results), "every rank maps: nothing shared"

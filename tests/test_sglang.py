@@ -8,14 +8,13 @@ The adapter's own checks without SGLang run in this environment."""
 from __future__ import annotations
 
 import json
-import secrets
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.cache_daemon import Daemon
+from tests.cache_daemon import Daemon, places, remove
 
 ROOT = Path(__file__).parent.parent
 ENGINE_TIMEOUT = 600
@@ -71,8 +70,7 @@ def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
     s3_uri = upload("s3", model, f"sglang-{work.name}")
     paths["converted"] = converted(model, work / "converted-tp1")
     cli = ["--model-path", str(model), "--device", "cpu"]
-    token = secrets.token_hex(4)
-    segments, sock = Path(f"/dev/shm/wsc-sglang-{token}"), Path(f"/dev/shm/wsc-sglang-{token}.sock")
+    segments, sock = places("sglang")
     request = {
         "model": str(model),
         "port": free_port(),
@@ -156,8 +154,7 @@ def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
                 timeout=ENGINE_TIMEOUT,
             )
     finally:
-        shutil.rmtree(segments, ignore_errors=True)
-        sock.with_suffix(".log").unlink(missing_ok=True)
+        remove(segments, sock)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1]), paths
 

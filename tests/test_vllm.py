@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 import subprocess
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cache_daemon import Daemon
+from tests.cache_daemon import Daemon, places, remove, stats
 
 ROOT = Path(__file__).parent.parent
 ENGINE_TIMEOUT = 600
@@ -136,8 +135,7 @@ def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], di
         "engine-owned-option": {"model": str(model), "load_format": "weightstream", "extra": {"device": "cpu"}},
         "unknown-option": {"model": str(model), "load_format": "weightstream", "extra": {"thread": 2}},
     }
-    token = secrets.token_hex(4)
-    segments, sock = Path(f"/dev/shm/wsc-vllm-{token}"), Path(f"/dev/shm/wsc-vllm-{token}.sock")
+    segments, sock = places("vllm")
     absent = str(work / "no-daemon.sock")
     cases |= {
         "cache-cold": {"model": str(model), "load_format": "weightstream", "extra": {"cache": str(sock)}},
@@ -153,21 +151,10 @@ def in_process(vllm, s3_endpoint, tmp_path_factory) -> tuple[dict[str, dict], di
     try:
         with Daemon(segments, sock) as daemon:
             results = dict(zip(cases, generate(python, list(cases.values()), offline_cache), strict=True))
-            paths["cache-stats"] = request_stats(daemon.socket)
+            paths["cache-stats"] = stats(daemon.socket)
     finally:
-        shutil.rmtree(segments, ignore_errors=True)
-        sock.with_suffix(".log").unlink(missing_ok=True)
+        remove(segments, sock)
     return results, paths
-
-
-def request_stats(sock: Path) -> dict:
-    from weightstream.sources.cache import CacheClient
-
-    client = CacheClient(str(sock))
-    try:
-        return client.request({"op": "stats"})[0]
-    finally:
-        client.close()
 
 
 @pytest.mark.slow

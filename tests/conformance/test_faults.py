@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import weightstream
-from tests.conformance.test_round_trip import CASES
+from tests.conformance.conftest import CASES
 from tests.conformance.writers import refuses, running
 from tests.conftest import truncating_after_first_read
 from weightstream.bench.demo import LlamaShape, llama_state_dict

@@ -15,7 +15,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 import weightstream
-from tests.conformance.test_round_trip import CASES
+from tests.conformance.conftest import CASES
 from tests.conformance.writers import running
 from tests.conftest import assert_same
 from weightstream.errors import HeaderError, NotFound, ShardIndexError, TruncatedFileError, UnsupportedInputError

@@ -9,19 +9,9 @@ import pytest
 import torch
 
 import weightstream
-from tests.conformance.writers import GUARDED_WRITERS, KEEPING_OPTIONS, WRITERS, refuses, running
+from tests.conformance.writers import GUARDED_WRITERS, KEEPING_OPTIONS, refuses
 from tests.conftest import CPU, assert_same
 from weightstream.formats.safetensors import DTYPES
-
-CASES = [(name, writer) for name in weightstream.available_loaders() for writer in WRITERS.get(name, [None])]
-
-
-@pytest.fixture(params=CASES, ids=[f"{name}-{writer.__name__ if writer else 'no-writer'}" for name, writer in CASES])
-def layout(request, tmp_path: Path):
-    name, writer = request.param
-    assert writer is not None, f"loader {name!r} is registered but tests/conformance/writers.py has no writer for it"
-    with running(name, tmp_path):
-        yield name, writer
 
 
 def every_dtype() -> dict[str, torch.Tensor]:

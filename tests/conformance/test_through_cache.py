@@ -4,37 +4,21 @@ the cache."""
 
 from __future__ import annotations
 
-import secrets
-import shutil
 from pathlib import Path
 
 import pytest
 
 import weightstream
-from tests.cache_daemon import Daemon
-from tests.conformance.test_round_trip import CASES, every_dtype
-from tests.conformance.writers import KEEPING_OPTIONS, running
+from tests.cache_daemon import running_daemon
+from tests.conformance.test_round_trip import every_dtype
+from tests.conformance.writers import KEEPING_OPTIONS
 from tests.conftest import assert_same
 
 
 @pytest.fixture(scope="module")
 def cache_socket():
-    token = secrets.token_hex(4)
-    segments, sock = Path(f"/dev/shm/wsc-conformance-{token}"), Path(f"/dev/shm/wsc-conformance-{token}.sock")
-    try:
-        with Daemon(segments, sock):
-            yield str(sock)
-    finally:
-        shutil.rmtree(segments, ignore_errors=True)
-        sock.with_suffix(".log").unlink(missing_ok=True)
-
-
-@pytest.fixture(params=CASES, ids=[f"{name}-{writer.__name__ if writer else 'no-writer'}" for name, writer in CASES])
-def layout(request, tmp_path: Path):
-    name, writer = request.param
-    assert writer is not None, f"loader {name!r} is registered but tests/conformance/writers.py has no writer for it"
-    with running(name, tmp_path):
-        yield name, writer
+    with running_daemon("conformance") as daemon:
+        yield str(daemon.socket)
 
 
 def test_every_dtype_through_the_cache(layout, destination, cache_socket, tmp_path: Path, no_leaks):
