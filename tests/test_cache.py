@@ -8,7 +8,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import socket
 import stat
 import subprocess
@@ -23,7 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 import weightstream
-from tests.cache_daemon import ROOT, Daemon
+from tests.cache_daemon import ROOT, Daemon, remove
+from tests.cache_daemon import places as cache_places
 from tests.conftest import assert_same, save_hf_sharded
 from weightstream.cache.segments import tmpfs_huge_pages
 from weightstream.errors import (
@@ -37,13 +37,10 @@ from weightstream.sources.cache_protocol import LENGTH, MAX_REQUEST_BYTES, recei
 
 @pytest.fixture
 def places():
-    """A segment directory and a socket path of this test's (on /dev/shm: short paths, tmpfs), removed after."""
-    token = secrets.token_hex(4)
-    directory, sock = Path(f"/dev/shm/wsc-{token}"), Path(f"/dev/shm/wsc-{token}.sock")
+    """A segment directory and a socket path of this test's, removed after."""
+    directory, sock = cache_places("test")
     yield directory, sock
-    shutil.rmtree(directory, ignore_errors=True)
-    sock.unlink(missing_ok=True)
-    sock.with_suffix(".log").unlink(missing_ok=True)
+    remove(directory, sock)
 
 
 @pytest.fixture
@@ -161,6 +158,22 @@ def test_a_rewritten_source_is_a_new_entry_and_the_old_one_is_never_served(tmp_p
     save_file(state(seed=2), str(path))  # same names and shapes, other bytes: only the version tells
     assert_same(weightstream.load_weights(path, cache=str(daemon.socket)), state(seed=2))
     entries = request(daemon.socket, {"op": "ls"})["entries"]
+    assert len(entries) == 2 and len({entry["version"] for entry in entries}) == 2
+
+
+def test_a_replaced_object_is_a_new_entry_and_the_old_one_is_never_served(s3_endpoint, tmp_path, places, no_leaks):
+    from tests.test_objectstore import upload
+
+    for name, seed in (("one", 3), ("two", 4)):
+        (tmp_path / name).mkdir()
+        save_file(state(seed=seed), str(tmp_path / name / "model.safetensors"))
+    key = f"cache-replaced-{secrets.token_hex(3)}"
+    with Daemon(*places) as running:  # started after the S3 server: it reads S3 with the same variables
+        uri = upload("s3", tmp_path / "one", key)
+        assert_same(weightstream.load_weights(uri, cache=str(running.socket)), state(seed=3))
+        upload("s3", tmp_path / "two", key)  # the same key, other bytes: another ETag
+        assert_same(weightstream.load_weights(uri, cache=str(running.socket)), state(seed=4))
+        entries = request(running.socket, {"op": "ls"})["entries"]
     assert len(entries) == 2 and len({entry["version"] for entry in entries}) == 2
 
 
