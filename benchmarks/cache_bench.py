@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from weightstream.bench.demo import demo_checkpoint
+from weightstream.cache.daemon import daemon_process
 from weightstream.cli import parse_size
 
 TOUCH = """
@@ -170,29 +170,6 @@ def timed(code: str, *args: str) -> float:
     return time.perf_counter() - started
 
 
-def start_daemon(directory: str, socket_path: str) -> subprocess.Popen:
-    daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "weightstream.cli",
-            "cache",
-            "serve",
-            "--dir",
-            directory,
-            "--socket",
-            socket_path,
-            "--json",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    daemon.stdout.readline()
-    return daemon
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=parse_size, default=4 << 30)
@@ -217,7 +194,6 @@ def main() -> int:
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    daemon = start_daemon(directory, socket_path)
     report: dict = {
         "checkpoint": checkpoint,
         "size": args.size,
@@ -226,58 +202,9 @@ def main() -> int:
         "seconds": {},
     }
     try:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "weightstream.cli",
-                "cache",
-                "prefetch",
-                checkpoint,
-                "--socket",
-                socket_path,
-                "--json",
-            ],
-            check=True,
-            cwd=ROOT,
-            capture_output=True,
-        )
-        imports, load = LOADS["weightstream-owned"]
-        run(TOUCH.format(imports=imports, load=load), checkpoint)  # the page cache warm
-        for round_number in range(args.rounds):
-            for method, (imports, load) in LOADS.items():
-                result = run(TOUCH.format(imports=imports, load=load), checkpoint, socket_path)
-                report["seconds"].setdefault(method, []).append(result["seconds"])
-                gbps = result["bytes"] / result["seconds"] / 1e9
-                print(f"round {round_number + 1}/{args.rounds} {method:24s} {gbps:7.2f} GB/s", flush=True)
-        if uri is not None:
-            report["s3"] = s3_restart(uri, socket_path, args.rounds)
-        if args.processes:
-            subprocess.run(
-                [sys.executable, "-m", "weightstream.cli", "cache", "evict", "--socket", socket_path, "--json"],
-                check=True,
-                cwd=ROOT,
-                capture_output=True,
-            )
-            direct = processes(checkpoint, args.processes, {}, None)
-            cached = processes(checkpoint, args.processes, {"cache": socket_path}, daemon.pid)
-            size = sum(path.stat().st_size for path in Path(checkpoint).glob("*.safetensors"))
-            report["processes"] = {
-                "count": args.processes,
-                "checkpoint_bytes": size,
-                "direct": direct,
-                "cache": cached,
-                "cache_storage_reads_per_copy": cached["storage_read_bytes"] / size,
-                "cache_node_memory_per_copy": cached["node_memory_bytes"] / size,
-                "direct_storage_reads_per_copy": direct["storage_read_bytes"] / size,
-                "direct_node_memory_per_copy": direct["node_memory_bytes"] / size,
-                "cache_weights_memory_per_copy": cached["node_memory_for_weights_bytes"] / size,
-                "direct_weights_memory_per_copy": direct["node_memory_for_weights_bytes"] / size,
-            }
+        with daemon_process(directory, socket_path, prefetch=checkpoint) as daemon:
+            measure(args, checkpoint, socket_path, daemon.pid, uri, report)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=60)
-        shutil.rmtree(directory, ignore_errors=True)
         if seaweed is not None:
             seaweed.terminate()
             seaweed.wait(timeout=30)
@@ -291,6 +218,45 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
+
+
+def measure(
+    args: argparse.Namespace, checkpoint: str, socket_path: str, daemon_pid: int, uri: str | None, report: dict
+) -> None:
+    """Every round of every method into ``report`` (the daemon at ``socket_path`` holds ``checkpoint``), then the S3
+    restart and the N processes if asked."""
+    imports, load = LOADS["weightstream-owned"]
+    run(TOUCH.format(imports=imports, load=load), checkpoint)  # the page cache warm
+    for round_number in range(args.rounds):
+        for method, (imports, load) in LOADS.items():
+            result = run(TOUCH.format(imports=imports, load=load), checkpoint, socket_path)
+            report["seconds"].setdefault(method, []).append(result["seconds"])
+            gbps = result["bytes"] / result["seconds"] / 1e9
+            print(f"round {round_number + 1}/{args.rounds} {method:24s} {gbps:7.2f} GB/s", flush=True)
+    if uri is not None:
+        report["s3"] = s3_restart(uri, socket_path, args.rounds)
+    if args.processes:
+        subprocess.run(
+            [sys.executable, "-m", "weightstream.cli", "cache", "evict", "--socket", socket_path, "--json"],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+        )
+        direct = processes(checkpoint, args.processes, {}, None)
+        cached = processes(checkpoint, args.processes, {"cache": socket_path}, daemon_pid)
+        size = sum(path.stat().st_size for path in Path(checkpoint).glob("*.safetensors"))
+        report["processes"] = {
+            "count": args.processes,
+            "checkpoint_bytes": size,
+            "direct": direct,
+            "cache": cached,
+            "cache_storage_reads_per_copy": cached["storage_read_bytes"] / size,
+            "cache_node_memory_per_copy": cached["node_memory_bytes"] / size,
+            "direct_storage_reads_per_copy": direct["storage_read_bytes"] / size,
+            "direct_node_memory_per_copy": direct["node_memory_bytes"] / size,
+            "cache_weights_memory_per_copy": cached["node_memory_for_weights_bytes"] / size,
+            "direct_weights_memory_per_copy": direct["node_memory_for_weights_bytes"] / size,
+        }
 
 
 def start_s3(checkpoint: str, scratch: Path) -> tuple[subprocess.Popen, str]:

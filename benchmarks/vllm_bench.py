@@ -18,10 +18,8 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -29,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_bench import interleaved_rounds, model_directory, summarise
 
 from tests.engine_envs import vllm_python
+from weightstream.cache.daemon import daemon_process
 
 METHODS = {
     "auto": ("auto", {}),
@@ -76,28 +75,6 @@ def run(python: str, model: Path, load_format: str, extra: dict, checkout: str |
     return float(found[-1])
 
 
-@contextlib.contextmanager
-def node_cache(model: Path, parent: str) -> Iterator[str]:
-    """A cache daemon with its segments under ``parent``, holding ``model``; its socket."""
-    token = os.urandom(4).hex()
-    directory, socket_path = f"{parent}/wsc-vllm-bench-{token}", f"/tmp/wsc-vllm-bench-{token}.sock"
-    command = [sys.executable, "-m", "weightstream.cli", "cache"]
-    daemon = subprocess.Popen(
-        [*command, "serve", "--dir", directory, "--socket", socket_path, "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        daemon.stdout.readline()
-        subprocess.run([*command, "prefetch", str(model), "--socket", socket_path, "--json"], check=True)
-        yield socket_path
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=60)
-        shutil.rmtree(directory, ignore_errors=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -118,7 +95,10 @@ def main() -> None:
     if args.baseline:
         methods += [f"{method}@baseline" for method in methods if method.startswith("weightstream")]
 
-    with node_cache(model, args.cache_dir) if "weightstream-cache" in methods else contextlib.nullcontext() as socket:
+    token = os.urandom(4).hex()
+    socket = f"/tmp/wsc-vllm-bench-{token}.sock"
+    daemon = daemon_process(f"{args.cache_dir}/wsc-vllm-bench-{token}", socket, prefetch=str(model))
+    with daemon if "weightstream-cache" in methods else contextlib.nullcontext():
 
         def run_method(method: str) -> float:
             name, _, baseline = method.partition("@")

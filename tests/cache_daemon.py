@@ -92,12 +92,20 @@ def running_daemon(prefix: str, *extra: str) -> Iterator[Daemon]:
         remove(directory, socket_path)
 
 
-def stats(socket_path: Path) -> dict:
-    """The daemon's ``stats`` answer."""
+def request(socket_path: Path, message: dict) -> dict:
+    """The daemon's answer to ``message`` (any descriptor it carries closed)."""
     from weightstream.sources.cache import CacheClient
 
     client = CacheClient(str(socket_path))
     try:
-        return client.request({"op": "stats"})[0]
+        answer, fds = client.request(message)
+        for fd in fds:
+            os.close(fd)
+        return answer
     finally:
         client.close()
+
+
+def stats(socket_path: Path) -> dict:
+    """The daemon's ``stats`` answer."""
+    return request(socket_path, {"op": "stats"})

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 import weightstream
-from tests.cache_daemon import ROOT, Daemon, remove
+from tests.cache_daemon import ROOT, Daemon, remove, request
 from tests.cache_daemon import places as cache_places
 from tests.conftest import assert_same, save_hf_sharded
 from weightstream.cache.segments import tmpfs_huge_pages
@@ -31,7 +31,6 @@ from weightstream.errors import (
     CacheProtocolError,
     CacheUnavailableError,
 )
-from weightstream.sources.cache import CacheClient
 from weightstream.sources.cache_protocol import LENGTH, MAX_REQUEST_BYTES, receive
 
 
@@ -54,17 +53,6 @@ def state(seed: int = 0, layers: int = 4) -> dict[str, torch.Tensor]:
     tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(64, 96, generator=generator) for i in range(layers)}
     tensors["model.embed_tokens.weight"] = torch.randn(100, 64, generator=generator).to(torch.bfloat16)
     return tensors
-
-
-def request(sock: Path, message: dict) -> dict:
-    client = CacheClient(str(sock))
-    try:
-        answer, fds = client.request(message)
-        for fd in fds:
-            os.close(fd)
-        return answer
-    finally:
-        client.close()
 
 
 def segment_mappings(directory: Path) -> int:

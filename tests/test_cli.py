@@ -86,24 +86,20 @@ def test_error_exit_status_and_message(tmp_path: Path):
     assert "Traceback" not in result.stderr
 
 
+def demo_bench(tmp_path: Path, *args: str) -> dict:
+    """``weightstream bench`` of a demo checkpoint built in ``tmp_path/cache``, one round, its JSON report."""
+    result = cli("bench", "--cache-dir", str(tmp_path / "cache"), "--rounds", "1", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
 @pytest.mark.slow
 def test_bench_builds_the_demo_and_compares(tmp_path: Path):
-    result = cli(
-        "bench",
-        "--size",
-        "24MiB",
-        "--cache-dir",
-        str(tmp_path / "cache"),
-        "--rounds",
-        "1",
-        "--methods",
-        "weightstream,safetensors.load_file,limit-read-reused",
-        "--json",
-        "--plot",
-        str(tmp_path / "bench.png"),
+    report = demo_bench(
+        tmp_path,
+        *("--size", "24MiB", "--methods", "weightstream,safetensors.load_file,limit-read-reused"),
+        *("--plot", str(tmp_path / "bench.png")),
     )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
     assert {(r["method"], r["cache"]) for r in report["results"]} == {
         (m, c) for m in ("weightstream", "safetensors.load_file", "limit-read-reused") for c in ("cold", "warm")
     }
@@ -120,46 +116,24 @@ def test_every_cpu_method_whose_library_is_installed_runs(tmp_path: Path):
     from weightstream.bench.methods import METHODS, SHARDED_STATE_METHODS
 
     methods = sorted(set(METHODS) - SHARDED_STATE_METHODS)
-    result = cli(
-        "bench",
-        "--size",
-        "8MiB",
-        "--cache-dir",
-        str(tmp_path / "cache"),
-        "--rounds",
-        "1",
-        "--cache",
-        "warm",
-        "--methods",
-        ",".join(methods),
-        "--json",
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = demo_bench(tmp_path, "--size", "8MiB", "--cache", "warm", "--methods", ",".join(methods))
     assert report["failed"] == {}
     ran = {row["method"] for row in report["results"] if "skipped" not in row}
     assert {"weightstream", "safetensors.load_file", "safetensors.safe_open"} <= ran
 
 
 def test_bench_layered_on_a_demo_of_so_many_layers(tmp_path: Path):
-    result = cli(
-        "bench",
+    report = demo_bench(
+        tmp_path,
         "--size",
         "24MiB",
         "--layers",
         "4",
-        "--cache-dir",
-        str(tmp_path / "cache"),
-        "--rounds",
-        "1",
         "--cache",
         "warm",
         "--methods",
         "weightstream,weightstream-layered",
-        "--json",
     )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
     assert {r["method"] for r in report["results"]} == {"weightstream", "weightstream-layered"}
     assert all(r["gbps_median"] > 0 for r in report["results"])
     assert [path.name for path in (tmp_path / "cache").iterdir()] == ["demo-llama-4l-256h-2s"]

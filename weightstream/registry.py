@@ -152,10 +152,11 @@ def split_options(options: Mapping[str, object]) -> tuple[LoadOptions, dict[str,
     """
     core_names = set(core_option_names())
     rest = {name: value for name, value in options.items() if name not in core_names}
-    for name in rest:
-        if owner_of_option(name) is None:
-            known = sorted(core_names | set(all_loader_option_names()))
-            raise OptionError(f"unknown option(s) {name}; known options: {', '.join(known)}")
+    loaders_own = set(all_loader_option_names()) if rest else set()
+    unknown = [name for name in rest if name not in loaders_own]
+    if unknown:
+        known = sorted(core_names | loaders_own)
+        raise OptionError(f"unknown option(s) {unknown[0]}; known options: {', '.join(known)}")
     core = LoadOptions.from_kwargs(**{name: value for name, value in options.items() if name in core_names})
     return core, rest
 

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from weightstream.bench.methods import METHODS_BY_DEVICE, NODE_CACHE_METHODS, SHARDED_STATE_METHODS, missing_module
 from weightstream.bench.remote_methods import REMOTE_METHODS, remote_skip_reason
 from weightstream.bench.worker import REMOTE, file_sizes
-from weightstream.errors import BenchmarkError, DeviceUnavailableError, InvalidOptionError
+from weightstream.errors import BenchmarkError, CacheError, DeviceUnavailableError, InvalidOptionError
 from weightstream.memory.devices import cuda_available
 from weightstream.planning.checkpoint import find_files
 from weightstream.sources import REMOTE_SCHEMES, pagecache, store_for
@@ -155,29 +154,22 @@ def run_bench(
 def node_cache(uri: str) -> Iterator[str]:
     """A cache daemon of the bench's own (segments in ``/dev/shm``), holding ``uri`` before the first round, its
     socket in ``$WEIGHTSTREAM_CACHE`` for the workers; stopped and removed afterwards."""
+    from weightstream.cache.daemon import daemon_process
+
     token = f"{os.getpid()}-{os.urandom(3).hex()}"
     directory, socket_path = f"/dev/shm/weightstream-bench-{token}", f"/tmp/weightstream-bench-{token}.sock"
-    command = [sys.executable, "-m", "weightstream.cli", "cache", "serve", "--dir", directory, "--socket", socket_path]
-    daemon = subprocess.Popen([*command, "--json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     previous = os.environ.get("WEIGHTSTREAM_CACHE")
     try:
-        if not daemon.stdout.readline():  # type: ignore[union-attr]
-            raise BenchmarkError("the bench's cache daemon did not start")
-        prefetch = [sys.executable, "-m", "weightstream.cli", "cache", "prefetch", uri, "--socket", socket_path]
-        filled = subprocess.run([*prefetch, "--json"], capture_output=True, text=True, check=False)
-        if filled.returncode != 0:
-            raise BenchmarkError(f"the bench's cache daemon could not be filled: {filled.stderr.strip()[-500:]}")
-        os.environ["WEIGHTSTREAM_CACHE"] = socket_path
-        yield socket_path
+        with daemon_process(directory, socket_path, prefetch=uri):
+            os.environ["WEIGHTSTREAM_CACHE"] = socket_path
+            yield socket_path
+    except CacheError as error:
+        raise BenchmarkError(f"the bench's cache daemon: {error}") from error
     finally:
         if previous is None:
             os.environ.pop("WEIGHTSTREAM_CACHE", None)
         else:
             os.environ["WEIGHTSTREAM_CACHE"] = previous
-        daemon.terminate()
-        daemon.wait(timeout=60)
-        daemon.stdout.close()  # type: ignore[union-attr]
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _rounds(

@@ -7,8 +7,8 @@ import contextlib
 import grp
 import json
 import logging
-import os
 import sys
+from collections.abc import Callable
 
 from weightstream.cache.daemon import default_directory, run_daemon
 from weightstream.progress import ProgressBar
@@ -16,7 +16,10 @@ from weightstream.sources.cache import CacheClient, default_socket, resolve_sock
 from weightstream.sources.cache_protocol import close_all
 
 
-def add_cache_commands(commands: argparse._SubParsersAction, parse_size: object) -> None:  # type: ignore[type-arg]
+def add_cache_commands(
+    commands: argparse._SubParsersAction,  # type: ignore[type-arg]
+    parse_size: Callable[[str], int],
+) -> None:
     """Add ``cache`` and its subcommands to the ``weightstream`` parser."""
     cache = commands.add_parser("cache", help="the node weight cache: a daemon holding weights in shared memory")
     actions = cache.add_subparsers(dest="cache_command", required=True)
@@ -118,10 +121,7 @@ def _prefetch(args: argparse.Namespace) -> int:
     try:
         with contextlib.nullcontext() if bar is None else bar.expecting(total):
             for path, size in files:
-                named = path if "://" in path else os.path.abspath(path)
-                answer, fds = client.request(
-                    {"op": "attach", "uri": named, "size": None, "version": None, "storage_options": {}}
-                )
+                answer, fds = client.attach(path)
                 close_all(fds)
                 keys.append(answer["key"])
                 if bar is not None:

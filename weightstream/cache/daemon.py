@@ -19,11 +19,14 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from weightstream.cache.segments import Segment, SegmentStore, segment_key
 from weightstream.errors import (
@@ -34,7 +37,7 @@ from weightstream.errors import (
     WeightstreamError,
 )
 from weightstream.sources import store_for
-from weightstream.sources.base import Store
+from weightstream.sources.base import Source, Store
 from weightstream.sources.cache_protocol import MAX_REQUEST_BYTES, check_request, close_all, receive, send
 from weightstream.sources.retry import RetryPolicy
 
@@ -78,6 +81,7 @@ class CacheDaemon:
         self._fills: dict[str, concurrent.futures.Future[Segment]] = {}
         self._pending_bytes = 0
         self._stores: dict[str, Store] = {}
+        self.max_clients = max_clients
         self._clients = threading.BoundedSemaphore(max_clients)
         self._threads: set[threading.Thread] = set()
         self._stopping = threading.Event()
@@ -156,9 +160,14 @@ class CacheDaemon:
                 **self.counters,
             }
 
+    def _count(self, counter: str) -> None:
+        """One more of ``counter`` (client threads count at once)."""
+        with self._lock:
+            self.counters[counter] += 1
+
     def _start_client(self, connection: socket.socket) -> None:
         if not self._clients.acquire(blocking=False):
-            log.warning("refusing a client: %s are connected already", self._clients._initial_value)  # type: ignore[attr-defined]
+            log.warning("refusing a client: %d are connected already", self.max_clients)
             connection.close()
             return
         thread = threading.Thread(
@@ -174,7 +183,7 @@ class CacheDaemon:
                     connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, CREDENTIALS.size)
                 )
                 if not self._allowed(pid, uid, gid):
-                    self.counters["refused_clients"] += 1
+                    self._count("refused_clients")
                     log.warning("refused a client: pid %d, uid %d (this daemon serves uid %d)", pid, uid, os.getuid())
                     served = f"uid {os.getuid()}" + (f" and group {self.group}" if self.group is not None else "")
                     refusal = CacheRefusedError(
@@ -192,7 +201,7 @@ class CacheDaemon:
                     except (CacheUnavailableError, TimeoutError, ConnectionError):
                         return  # the client left, or said nothing for too long
                     except CacheProtocolError as error:
-                        self.counters["bad_requests"] += 1
+                        self._count("bad_requests")
                         log.warning("bad request from pid %d: %s", pid, error)
                         with contextlib.suppress(OSError):
                             send(connection, _error(error))
@@ -245,16 +254,19 @@ class CacheDaemon:
                 fill = self._fills.get(key)
                 owner = segment is None and fill is None
                 if owner:
-                    referenced = set(self.segments.references()) | set(self._fills)
-                    self.segments.make_room(source.size + self._pending_bytes, referenced, uri)
+                    self.segments.make_room(
+                        source.size + self._pending_bytes,
+                        lambda: set(self.segments.references()) | set(self._fills),
+                        uri,
+                    )
                     fill = self._fills[key] = concurrent.futures.Future()
                     self._pending_bytes += source.size
-            if segment is None and owner:
+            if owner:
                 segment = self._fill(key, source, fill)  # type: ignore[arg-type]
             elif segment is None:
                 segment = fill.result()  # type: ignore[union-attr]  # another client's fill: read once
             else:
-                self.counters["hits"] += 1
+                self._count("hits")
         finally:
             source.close()
         with self._lock:
@@ -267,14 +279,14 @@ class CacheDaemon:
             "head_sha256": segment.head_sha256,
         }, fd
 
-    def _fill(self, key: str, source: object, fill: concurrent.futures.Future[Segment]) -> Segment:
+    def _fill(self, key: str, source: Source, fill: concurrent.futures.Future[Segment]) -> Segment:
         try:
-            segment = self.segments.fill(key, source, self.fill_threads)  # type: ignore[arg-type]
+            segment = self.segments.fill(key, source, self.fill_threads)
         except BaseException as error:
             fill.set_exception(error)
             with self._lock:
                 self._fills.pop(key, None)
-                self._pending_bytes -= source.size  # type: ignore[attr-defined]
+                self._pending_bytes -= source.size
             raise
         with self._lock:
             self.segments.publish(segment)
@@ -380,3 +392,40 @@ def run_daemon(
     daemon.install_signal_handlers()
     daemon.serve(on_ready=(lambda: print(json.dumps(daemon.status()), flush=True)) if status else None)
     return 0
+
+
+@contextlib.contextmanager
+def daemon_process(directory: str, socket_path: str, prefetch: str | None = None) -> Iterator[subprocess.Popen[str]]:
+    """A ``weightstream cache serve`` process of the caller's own, listening when entered (and holding the checkpoint
+    ``prefetch`` names, if given); stopped with SIGTERM and its directory removed on leaving. For benchmarks.
+
+    Raises:
+        CacheError: the daemon did not start, or could not be filled.
+
+    Example:
+        >>> with daemon_process("/dev/shm/my-cache", "/tmp/c.sock", prefetch="model/"):  # doctest: +SKIP
+        ...     weightstream.load_weights("model/", cache="/tmp/c.sock")
+    """
+    command = [sys.executable, "-m", "weightstream.cli", "cache"]
+    serve = [*command, "serve", "--dir", directory, "--socket", socket_path, "--json"]
+    daemon = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        if not daemon.stdout.readline():  # type: ignore[union-attr]  # its status line: it listens
+            raise CacheError(f"the cache daemon for {socket_path} did not start (exit {daemon.wait(timeout=60)})")
+        if prefetch is not None:
+            filled = subprocess.run(
+                [*command, "prefetch", prefetch, "--socket", socket_path, "--json"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if filled.returncode != 0:
+                raise CacheError(
+                    f"the cache daemon could not be filled with {prefetch}: {filled.stderr.strip()[-500:]}"
+                )
+        yield daemon
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
+        daemon.stdout.close()  # type: ignore[union-attr]
+        shutil.rmtree(directory, ignore_errors=True)

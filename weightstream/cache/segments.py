@@ -25,7 +25,7 @@ import mmap
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from weightstream.errors import CacheError, CacheFullError, FormatError
 from weightstream.formats.strict_json import parse_json
@@ -123,15 +123,19 @@ class SegmentStore:
         self.segments[key].last_used = time.time()
         return os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
 
-    def make_room(self, size: int, referenced: set[str], uri: str) -> None:
+    def make_room(self, size: int, referenced: Callable[[], set[str]], uri: str) -> None:
         """Evict unreferenced segments, least recently used first, until ``size`` more bytes fit the budget,
         the filesystem and the memory the daemon may still charge; or raise before anything is read.
+        ``referenced`` (the keys in use: a scan of ``/proc``) is asked only when something must go.
 
         Raises:
             CacheFullError: ``size`` cannot fit even with every unreferenced segment evicted.
         """
+        if self._shortfall(size) is None:
+            return
+        in_use = referenced()
         evictable = sorted(
-            (segment for key, segment in self.segments.items() if key not in referenced), key=lambda s: s.last_used
+            (segment for key, segment in self.segments.items() if key not in in_use), key=lambda s: s.last_used
         )
         while (shortfall := self._shortfall(size)) is not None:
             if not evictable:

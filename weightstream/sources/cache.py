@@ -100,6 +100,19 @@ class CacheClient:
             os.close(fd)
         raise _typed_error(answer, self.path)
 
+    def attach(
+        self,
+        uri: str,
+        size: int | None = None,
+        version: str | None = None,
+        storage_options: Mapping[str, object] | None = None,
+    ) -> tuple[dict[str, object], list[int]]:
+        """Ask for the segment of ``uri`` (at ``version``, of ``size`` bytes, if given): the answer and its descriptor
+        (the caller closes it). The daemon fills the segment first if it has none."""
+        named = uri if "://" in uri else os.path.abspath(uri)  # the daemon has a working directory of its own
+        message = {"op": "attach", "uri": named, "size": size, "version": version}
+        return self.request({**message, "storage_options": dict(storage_options or {})})
+
     def close(self) -> None:
         self._socket.close()
 
@@ -188,10 +201,7 @@ class CachedStore:
         known = self._segments.get(uri)
         if known is not None and (size is None or (known.size, known.version) == (size, version)):
             return known
-        named = uri if "://" in uri else os.path.abspath(uri)  # the daemon has a working directory of its own
-        answer, fds = self.client.request(
-            {"op": "attach", "uri": named, "size": size, "version": version, "storage_options": self._storage_options}
-        )
+        answer, fds = self.client.attach(uri, size, version, self._storage_options)
         try:
             if len(fds) != 1:
                 raise CacheProtocolError(f"{uri}: the cache daemon answered with {len(fds)} descriptors, not 1")
@@ -222,7 +232,6 @@ class SegmentSource:
         if version is not None and not isinstance(version, str):
             raise CacheProtocolError(f"{uri}: the cache daemon's answer has a version of type {type(version).__name__}")
         self.uri, self.size, self.version = uri, size, version
-        self.key = str(answer.get("key"))
         actual = os.fstat(fd).st_size
         if actual != size:
             raise CacheProtocolError(f"{uri}: the cache's segment is {actual} bytes; the daemon said {size}")
@@ -246,9 +255,8 @@ class SegmentSource:
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         self._check_range(offset, len(buffer))
-        destination = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else None
-        if destination is not None:
-            destination.copy_(self._bytes[offset : offset + len(buffer)])
+        if len(buffer):
+            torch.frombuffer(buffer, dtype=torch.uint8).copy_(self._bytes[offset : offset + len(buffer)])
 
     def verify_unchanged(self) -> None:
         """A segment never changes (a read-only file, replaced only under another key)."""
