@@ -4,10 +4,11 @@
 # Here (a machine with PyPI), once:   benchmarks/gpu_check.sh prepare
 #   downloads the peers' wheels for the device image's Python 3.12 into .whl/ (git-ignored).
 # On the lent H200 (device tool: carry [".whl"], timeout about 540 s):   benchmarks/gpu_check.sh run
-#   installs the wheels, runs every CUDA test, the device-window check (benchmarks/device_window.py), then `bench --device cuda` on an 8 GiB demo
+#   installs the wheels, runs every CUDA test (the node cache's GPU tier among them), the device-window check
+#   (benchmarks/device_window.py), the cache's GPU bench (benchmarks/cache_gpu_bench.py), then `bench --device cuda` on an 8 GiB demo
 #   checkpoint, warm and cold (weightstream, weightstream-layered, ...), against safetensors, runai-model-streamer, fastsafetensors
 #   (nogds and GDS) and InstantTensor, with the pinned host-to-device limit.
-# Results land in $OUT (tests.log, device-window.json, bench-cuda-8gib-{warm,cold}.json, bench.log).
+# Results land in $OUT (tests.log, device-window.json, cache-gpu-2gib.json, bench-cuda-8gib-{warm,cold}.json, bench.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +33,11 @@ run() {
     # the parameters must stay within the window (issue 17 §1); exit 1 otherwise.
     timeout 60 python3 benchmarks/device_window.py --size 2GiB --json > "$OUT/device-window.json" 2>> "$OUT/bench.log"
     echo "device window exit $?" | tee -a "$OUT/tests.log"
+    # The node cache's GPU tier (issue 18 §8): copies from page-locked segments, and a daemon's device copies
+    # (--device cuda:0) copied device to device or viewed read-only, against a direct load.
+    timeout 150 python3 benchmarks/cache_gpu_bench.py --size 2GiB --rounds 3 --json "$OUT/cache-gpu-2gib.json" \
+        2>> "$OUT/bench.log" | tee -a "$OUT/cache-gpu.log"
+    echo "cache gpu bench exit ${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
     # Warm and cold as separate runs, so that a timeout in one keeps the other's figures.
     for cache in warm cold; do
         timeout 200 python3 -m weightstream.cli bench --device cuda --size 8GiB --shards 4 --rounds 2 --cache "$cache" \

@@ -67,9 +67,13 @@ def test_defaults():
         (
             {"device": "cuda:0", "zero_copy": True},
             InvalidOptionError,
-            r"zero_copy returns views of a file mapping: it cannot land on a GPU",
+            r"zero_copy=True on a GPU views the node cache daemon's device copies: it needs cache=",
         ),
-        ({"pin_memory": True, "zero_copy": True}, InvalidOptionError, r"zero_copy .* or in pinned memory"),
+        (
+            {"pin_memory": True, "zero_copy": True},
+            InvalidOptionError,
+            r"zero_copy returns views of a file mapping: it cannot land in pinned memory",
+        ),
     ],
 )
 def test_bad_values(kwargs, error, message):

@@ -173,3 +173,30 @@ def test_the_cuda_engine_lands_every_byte(seed, no_leaks):
     ring.close()
     assert errors == []
     assert torch.equal(destination.cpu(), data)
+
+
+def test_direct_copies_land_beside_slot_copies_and_hold_no_slot(no_leaks):
+    ring = StagingRing(CpuCopyEngine(), slot_bytes=16, slots=1)
+    destination = torch.zeros(48, dtype=torch.uint8)
+    handles = [
+        ring.launch_direct(torch.full((16,), n, dtype=torch.uint8), destination[n * 16 : n * 16 + 16]) for n in (1, 2)
+    ]
+    slot = ring.acquire()  # the one slot is still free: direct copies take none
+    slot.buffer.fill_(3)
+    handles.append(ring.launch(slot, 16, destination[:16]))
+    for handle in handles:
+        ring.wait(handle)
+    ring.close()
+    assert destination.tolist() == [3] * 16 + [1] * 16 + [2] * 16
+
+
+def test_a_failed_direct_copy_fails_the_ring(no_leaks):
+    engine = DelayedCheckingEngine(seed=3, fail_at=1)
+    ring = StagingRing(engine, slot_bytes=16, slots=1)
+    ring.launch_direct(torch.ones(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8))
+    with pytest.raises(OSError, match="copy 1 failed"):
+        ring.close()
+    checked = StagingRing(CpuCopyEngine(), slot_bytes=16, slots=1)
+    with pytest.raises(ValueError, match=r"copy of 8 bytes into 16"):
+        checked.launch_direct(torch.ones(8, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8))
+    checked.close()

@@ -6,8 +6,8 @@ weightstream load URI [--json] [--format F] [--device cuda] [--pin-memory] [--th
 weightstream bench [URI] [--device cuda] [--size 1GiB] [--layers N] [--rounds 3] [--json] [--plot bench.png]
 weightstream convert SRC DST --to sharded-state --tp N [--engine vllm|sglang] [--rule PATTERN=DIM ...]
                              [--max-file-mib M] [--json]
-weightstream cache serve [--dir DIR] [--socket PATH] [--budget SIZE] [--group G] [--json]
-weightstream cache ls|stats|stop|evict [KEY]|prefetch URI [--socket PATH] [--json]
+weightstream cache serve [--dir DIR] [--socket PATH] [--budget SIZE] [--group G] [--device cuda:N ...] [--json]
+weightstream cache ls|stats|stop|evict [KEY]|prefetch URI [--device cuda:N] [--socket PATH] [--json]
 """
 
 from __future__ import annotations

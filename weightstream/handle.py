@@ -117,7 +117,20 @@ def _through_cache(store: Store, opts: LoadOptions) -> Store:
     from weightstream.sources.cache import CachedStore, connect
 
     client = connect(str(opts.cache))
-    return store if client is None else CachedStore(store, client, opts.storage_options)
+    if client is None:
+        return store
+    copy_sources = None
+    if torch.device(opts.device).type == "cuda":
+        from weightstream.memory.devices import check_destination
+        from weightstream.memory.segment_copies import SegmentCopies
+
+        try:
+            check_destination(opts.device, opts.pin_memory)
+            copy_sources = SegmentCopies(torch.device(opts.device))
+        except BaseException:
+            client.close()
+            raise
+    return CachedStore(store, client, opts.storage_options, copy_sources)
 
 
 def _checked_loader(format: str, opts: LoadOptions, own: Mapping[str, object]) -> tuple[Loader, LoadOptions]:

@@ -107,7 +107,8 @@ class LoadOptions:
     instead of owned memory: no copy and no fresh pages. ``True``, ``False`` (always owned memory) or
     ``"auto"`` (default: views of the node cache's shared memory, owned memory elsewhere). The
     ``safetensors`` and ``sharded-state`` loaders honour it, the others refuse ``True``. Writing to a view
-    copies its page privately; truncating a local file while one lives makes reading it fault (SIGBUS)."""
+    copies its page privately; truncating a local file while one lives makes reading it fault (SIGBUS).
+    On a GPU, ``True`` (with ``cache=``) gives read-only views of the cache daemon's device copies."""
 
     cache: str | None = None
     """The node weight cache to read through (see the README's "Node weight cache"): the daemon's socket
@@ -176,9 +177,12 @@ class LoadOptions:
             raise InvalidOptionError(f"pin_memory=True is for CPU destinations; device {self.device!r} is not one")
         if self.gds is True and on_cpu:
             raise InvalidOptionError(f"gds=True reads into GPU memory; device {self.device!r} is not a GPU")
-        if self.zero_copy is True and (not on_cpu or self.pin_memory is True):
+        if self.zero_copy is True and self.pin_memory is True:
+            raise InvalidOptionError("zero_copy returns views of a file mapping: it cannot land in pinned memory")
+        if self.zero_copy is True and not on_cpu and self.cache is None:
             raise InvalidOptionError(
-                "zero_copy returns views of a file mapping: it cannot land on a GPU or in pinned memory"
+                "zero_copy=True on a GPU views the node cache daemon's device copies: it needs cache= (a daemon "
+                "started with --device); without one, zero_copy cannot land on a GPU"
             )
         if not is_int(self.retries) or self.retries < 0:
             raise InvalidOptionError(f"retries must be a non-negative integer, got {self.retries!r}")

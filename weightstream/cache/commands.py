@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 from weightstream.cache.daemon import default_directory, run_daemon
+from weightstream.errors import CacheError, DeviceUnavailableError
 from weightstream.progress import ProgressBar
 from weightstream.sources.cache import CacheClient, default_socket, resolve_socket
 from weightstream.sources.cache_protocol import close_all
@@ -41,6 +42,14 @@ def add_cache_commands(
         "on a filesystem without them; off: 4 KiB pages",
     )
     serve.add_argument(
+        "--device",
+        action="append",
+        default=None,
+        metavar="cuda:N",
+        help="also keep device copies on this GPU, which clients there map without copying (repeatable; needs "
+        "cuda-python)",
+    )
+    serve.add_argument(
         "--idle-timeout",
         type=float,
         default=10.0,
@@ -58,6 +67,12 @@ def add_cache_commands(
     prefetch = actions.add_parser("prefetch", help="fill the cache with a checkpoint before its engine starts")
     prefetch.add_argument("uri")
     prefetch.add_argument("--format", default="auto")
+    prefetch.add_argument(
+        "--device",
+        default=None,
+        metavar="cuda:N",
+        help="also have the daemon make its copies on this GPU (a daemon started with --device for it)",
+    )
     _add_socket(prefetch)
     prefetch.set_defaults(run=_prefetch)
 
@@ -86,6 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
         status=args.json,
         idle_timeout_s=args.idle_timeout,
         huge_pages=args.huge_pages,
+        devices=args.device,
     )
 
 
@@ -118,16 +134,40 @@ def _prefetch(args: argparse.Namespace) -> int:
     bar = ProgressBar(label="prefetch") if sys.stderr.isatty() and not args.json else None
     client = CacheClient(_socket(args))
     keys = []
+    gpus: object = []
     try:
         with contextlib.nullcontext() if bar is None else bar.expecting(total):
             for path, size in files:
                 answer, fds = client.attach(path)
                 close_all(fds)
                 keys.append(answer["key"])
+                gpus = answer.get("gpus")
                 if bar is not None:
                     bar.advance(size)
     finally:
         client.close()
-    result = {"uri": args.uri, "files": len(files), "bytes": total, "keys": keys}
+    if args.device is not None:
+        _prefetch_device(args, gpus)
+    result = {"uri": args.uri, "files": len(files), "bytes": total, "keys": keys, "device": args.device}
     print(json.dumps(result) if args.json else f"cached {len(files)} files, {total / 2**30:.3f} GiB of {args.uri}")
     return 0
+
+
+def _prefetch_device(args: argparse.Namespace, gpus: object) -> None:
+    """Have the daemon copy the checkpoint to ``args.device``: opening it through the cache for that GPU attaches
+    every file with its device copy (made on the first request)."""
+    import torch
+
+    import weightstream
+    from weightstream.memory.vmm import gpu_uuid
+
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        raise DeviceUnavailableError(f"--device {args.device!r}: name a GPU as cuda:N")
+    uuid = gpu_uuid(device.index if device.index is not None else 0)
+    if not isinstance(gpus, list) or uuid not in gpus:
+        raise CacheError(
+            f"the cache daemon keeps no device copies on {args.device} ({uuid}); it serves {gpus or 'none'}"
+        )
+    with weightstream.open(args.uri, args.format, filter=(), cache=_socket(args), device=args.device):
+        pass

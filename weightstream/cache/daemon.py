@@ -3,7 +3,8 @@
 It listens on a Unix socket (created owner-only, or for one group), checks every client's uid with
 ``SO_PEERCRED``, and answers length-prefixed JSON requests (``weightstream.sources.cache_protocol``):
 ``attach`` a source file (filling its segment on a miss: one fill however many clients ask at once; a
-fill that cannot fit is refused before any byte is read), ``ls``, ``stats``, ``evict`` and ``stop``.
+fill that cannot fit is refused before any byte is read), ``device`` (its copy on a GPU the daemon
+serves, ``weightstream.cache.device``), ``ls``, ``stats``, ``evict`` and ``stop``.
 Each client has a thread; a client that sends nothing for ``idle_timeout_s`` is dropped, a malformed or
 oversized message ends its connection, and at most ``max_clients`` are served at once. SIGTERM (or
 ``stop``) stops accepting, lets the requests in progress finish, and returns.
@@ -26,8 +27,9 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
+from weightstream.cache.device import DeviceTier
 from weightstream.cache.segments import Segment, SegmentStore, segment_key
 from weightstream.errors import (
     CacheError,
@@ -71,12 +73,14 @@ class CacheDaemon:
         idle_timeout_s: float = 10.0,
         max_clients: int = 64,
         huge_pages: str = "auto",
+        devices: list[str] | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.group = group
         self.fill_threads = fill_threads
         self.idle_timeout_s = idle_timeout_s
-        self.segments = SegmentStore(directory, budget, huge_pages)
+        self.devices = None if not devices else DeviceTier(devices)
+        self.segments = SegmentStore(directory, budget, huge_pages, on_evict=self._evicted)
         self._lock = threading.Lock()
         self._fills: dict[str, concurrent.futures.Future[Segment]] = {}
         self._pending_bytes = 0
@@ -130,6 +134,8 @@ class CacheDaemon:
             for store in self._stores.values():
                 with contextlib.suppress(Exception):  # a store that fails to close must not keep the daemon up
                     store.close()
+            if self.devices is not None:
+                self.devices.close()
             log.info("stopped")
 
     def stop(self) -> None:
@@ -157,6 +163,7 @@ class CacheDaemon:
                 "referencing_processes": len(set().union(*references.values())) if references else 0,
                 "adopted": self.segments.adopted,
                 "discarded": self.segments.discarded,
+                "devices": {} if self.devices is None else self.devices.status(),
                 **self.counters,
             }
 
@@ -218,6 +225,8 @@ class CacheDaemon:
         try:
             if op == "attach":
                 answer, fd = self._attach(request)
+            elif op == "device":
+                answer, fd = self._device(request)
             elif op == "ls":
                 answer = self._ls()
             elif op == "stats":
@@ -277,7 +286,26 @@ class CacheDaemon:
             "size": segment.size,
             "version": segment.version,
             "head_sha256": segment.head_sha256,
+            "gpus": [] if self.devices is None else self.devices.uuids,
         }, fd
+
+    def _device(self, request: Mapping[str, object]) -> tuple[dict[str, object], int]:
+        """The segment of the file (filled as for ``attach``), then its copy on the GPU the request names."""
+        gpu = str(request["gpu"])
+        if self.devices is None:
+            raise CacheError(
+                f"this cache daemon keeps no device copies (start it with --device cuda:N); asked for {gpu}"
+            )
+        answer, segment_fd = self._attach({name: value for name, value in request.items() if name != "gpu"})
+        os.close(segment_fd)
+        key, size = str(answer["key"]), int(answer["size"])  # type: ignore[call-overload]
+        fd, allocation_bytes = self.devices.copy_of(key, gpu, self.segments.path(key), size, str(request["uri"]))
+        return {**answer, "gpu": gpu, "allocation_bytes": allocation_bytes}, fd
+
+    def _evicted(self, key: str) -> None:
+        """A segment left the cache: so do its device copies."""
+        if self.devices is not None:
+            self.devices.drop(key)
 
     def _fill(self, key: str, source: Source, fill: concurrent.futures.Future[Segment]) -> Segment:
         try:
@@ -384,10 +412,17 @@ def run_daemon(
     status: bool = False,
     idle_timeout_s: float = 10.0,
     huge_pages: str = "auto",
+    devices: list[str] | None = None,
 ) -> int:
     """``weightstream cache serve``: run in the foreground until SIGTERM; 0 on a clean stop."""
     daemon = CacheDaemon(
-        directory, socket_path, budget, group=group, idle_timeout_s=idle_timeout_s, huge_pages=huge_pages
+        directory,
+        socket_path,
+        budget,
+        group=group,
+        idle_timeout_s=idle_timeout_s,
+        huge_pages=huge_pages,
+        devices=devices,
     )
     daemon.install_signal_handlers()
     daemon.serve(on_ready=(lambda: print(json.dumps(daemon.status()), flush=True)) if status else None)
@@ -395,9 +430,12 @@ def run_daemon(
 
 
 @contextlib.contextmanager
-def daemon_process(directory: str, socket_path: str, prefetch: str | None = None) -> Iterator[subprocess.Popen[str]]:
-    """A ``weightstream cache serve`` process of the caller's own, listening when entered (and holding the checkpoint
-    ``prefetch`` names, if given); stopped with SIGTERM and its directory removed on leaving. For benchmarks.
+def daemon_process(
+    directory: str, socket_path: str, prefetch: str | None = None, serve_options: Sequence[str] = ()
+) -> Iterator[subprocess.Popen[str]]:
+    """A ``weightstream cache serve`` process of the caller's own (with ``serve_options``, e.g. ``--device cuda:0``),
+    listening when entered (and holding the checkpoint ``prefetch`` names, if given); stopped with SIGTERM and its
+    directory removed on leaving. For benchmarks.
 
     Raises:
         CacheError: the daemon did not start, or could not be filled.
@@ -407,7 +445,7 @@ def daemon_process(directory: str, socket_path: str, prefetch: str | None = None
         ...     weightstream.load_weights("model/", cache="/tmp/c.sock")
     """
     command = [sys.executable, "-m", "weightstream.cli", "cache"]
-    serve = [*command, "serve", "--dir", directory, "--socket", socket_path, "--json"]
+    serve = [*command, "serve", "--dir", directory, "--socket", socket_path, "--json", *serve_options]
     daemon = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         if not daemon.stdout.readline():  # type: ignore[union-attr]  # its status line: it listens

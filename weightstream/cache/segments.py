@@ -85,9 +85,17 @@ class SegmentStore:
     Not thread-safe: the daemon calls it under its lock (fills run outside it, see :meth:`fill`).
     """
 
-    def __init__(self, directory: str, budget: int | None, huge_pages: str = "auto") -> None:
+    def __init__(
+        self,
+        directory: str,
+        budget: int | None,
+        huge_pages: str = "auto",
+        on_evict: Callable[[str], None] | None = None,
+    ) -> None:
         self.directory = directory
         self.budget = budget
+        self._on_evict = on_evict
+        """Told each evicted key (the daemon drops the segment's device copies)."""
         os.makedirs(directory, mode=0o700, exist_ok=True)
         status = os.stat(directory)
         if status.st_uid != os.getuid() or status.st_mode & 0o022:
@@ -189,6 +197,8 @@ class SegmentStore:
         for name in (f"{key}.json", f"{key}.seg"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.directory, name))
+        if self._on_evict is not None:
+            self._on_evict(key)
 
     def references(self) -> dict[str, set[int]]:
         """Processes that map (or hold open) each segment: key -> pids, read from ``/proc``."""

@@ -43,8 +43,12 @@ def pinning_available() -> bool:
     return True
 
 
-def register(address: int, nbytes: int) -> None:
+def register(address: int, nbytes: int, *, read_only: bool = False) -> None:
     """Page-lock ``nbytes`` at ``address`` for every CUDA context (``cudaHostRegisterPortable``).
+
+    ``read_only`` (``cudaHostRegisterReadOnly``) locks memory the process may only read (a segment mapped
+    ``PROT_READ``): the device only reads it, and the pages are locked as they are, never copied on write.
+    Check :func:`read_only_supported` first.
 
     Raises:
         DeviceUnavailableError: cuda-python is missing, or no usable driver.
@@ -54,7 +58,8 @@ def register(address: int, nbytes: int) -> None:
         >>> register(address, 1 << 30)  # doctest: +SKIP
     """
     runtime = _runtime()
-    (status,) = runtime.cudaHostRegister(address, nbytes, runtime.cudaHostRegisterPortable)
+    flags = runtime.cudaHostRegisterPortable | (runtime.cudaHostRegisterReadOnly if read_only else 0)
+    (status,) = runtime.cudaHostRegister(address, nbytes, flags)
     if status != runtime.cudaError_t.cudaSuccess:
         detail = f"cudaHostRegister of {nbytes} bytes at {address:#x} failed: {_describe(runtime, status)}"
         if status in (runtime.cudaError_t.cudaErrorInsufficientDriver, runtime.cudaError_t.cudaErrorNoDevice):
@@ -64,6 +69,26 @@ def register(address: int, nbytes: int) -> None:
         _sizes[address] = nbytes
         _registered["current"] += nbytes
         _registered["peak"] = max(_registered["peak"], _registered["current"])
+
+
+def read_only_supported(device: int) -> bool:
+    """Whether CUDA device ``device`` can lock memory the process may only read (``register(read_only=True)``).
+
+    Raises:
+        DeviceUnavailableError: cuda-python is missing, or no usable driver.
+
+    Example:
+        >>> read_only_supported(0)  # doctest: +SKIP
+        True
+    """
+    runtime = _runtime()
+    attribute = runtime.cudaDeviceAttr.cudaDevAttrHostRegisterReadOnlySupported
+    status, supported = runtime.cudaDeviceGetAttribute(attribute, device)
+    if status != runtime.cudaError_t.cudaSuccess:
+        raise DeviceUnavailableError(
+            f"cudaDeviceGetAttribute(HostRegisterReadOnlySupported) on device {device}: {_describe(runtime, status)}"
+        )
+    return bool(supported)
 
 
 def unregister(address: int) -> None:

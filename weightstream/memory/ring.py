@@ -139,7 +139,8 @@ class StagingRing:
             for number in range(slots)
         ]
         self._free = collections.deque(self._slots)
-        self._in_flight: collections.deque[tuple[Slot, CopyHandle]] = collections.deque()
+        self._in_flight: collections.deque[tuple[Slot | None, CopyHandle]] = collections.deque()
+        """Launched copies in order, with the slot each frees (None for :meth:`launch_direct`'s)."""
         self._lock = threading.Condition()
         self._error: BaseException | None = None
         self._error_seen = False
@@ -173,6 +174,21 @@ class StagingRing:
             self._raise_if_failed()
             handle = self.engine.launch(slot.buffer[start : start + nbytes], destination)
             self._in_flight.append((slot, handle))
+            self._lock.notify_all()
+        return handle
+
+    def launch_direct(self, source: torch.Tensor, destination: torch.Tensor) -> CopyHandle:
+        """Copy ``source``, memory the engine reads directly (page-locked host memory, or device memory), into
+        ``destination`` without a slot, in order with the slots' copies, failing the ring as they do."""
+        if source.numel() * source.element_size() != destination.numel() * destination.element_size():
+            raise ValueError(
+                f"copy of {source.numel() * source.element_size()} bytes into "
+                f"{destination.numel() * destination.element_size()}"
+            )
+        with self._lock:
+            self._raise_if_failed()
+            handle = self.engine.launch(source, destination)
+            self._in_flight.append((None, handle))
             self._lock.notify_all()
         return handle
 
@@ -229,5 +245,6 @@ class StagingRing:
                         self._error = error
             with self._lock:
                 self._in_flight.popleft()
-                self._free.append(slot)
+                if slot is not None:
+                    self._free.append(slot)
                 self._lock.notify_all()

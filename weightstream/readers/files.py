@@ -14,6 +14,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+import torch
 from typing_extensions import Self
 
 from weightstream.options import LoadOptions
@@ -128,6 +129,13 @@ class PooledSource:
     def read_into(self, offset: int, buffer: memoryview) -> None:
         with self._files.use(self) as source:
             source.read_into(offset, buffer)
+
+    @property
+    def copy_source(self) -> torch.Tensor | None:
+        """The open file's memory a copy engine reads directly, if it has any (the node cache's segments, for a
+        CUDA load); it stays valid after the file closes."""
+        with self._files.use(self) as source:
+            return getattr(source, "copy_source", None)
 
     def verify_unchanged(self) -> None:
         """Checked by :class:`FileHandles` as the file closes."""

@@ -31,7 +31,9 @@ from weightstream.readers.tasks import (
     wants_huge_pages,
 )
 from weightstream.sources.base import Source, Store
+from weightstream.sources.cache import SegmentSource
 from weightstream.sources.local import LocalStore
+from weightstream.sources.mapped import MappedFile
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +101,8 @@ def _cuda_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[t
 
 
 def wants_views(store: Store, opts: LoadOptions) -> bool:
-    """Whether tensors are views of file mappings: ``zero_copy=True``, or ``"auto"`` over the node cache's
-    shared memory (to the pageable CPU)."""
+    """Whether tensors are views of file mappings (or of the node cache's device copies, on a GPU):
+    ``zero_copy=True``, or ``"auto"`` over the node cache's shared memory (to the pageable CPU)."""
     if opts.zero_copy is True:
         return True
     shared = getattr(store, "shares_memory", False)
@@ -108,20 +110,35 @@ def wants_views(store: Store, opts: LoadOptions) -> bool:
 
 
 def _mapped_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
-    """``zero_copy``: views of each file's private mapping, after checking the file is unchanged."""
+    """``zero_copy``: views of each file's private mapping, after checking the file is unchanged; on a GPU, views
+    of the node cache daemon's read-only copies there."""
+    device = torch.device(opts.device)
+    if device.type == "cuda":
+        check_destination(opts.device, opts.pin_memory)
+        if not getattr(store, "shares_memory", False):
+            raise DeviceUnavailableError(
+                f"zero_copy=True on {opts.device}: {plan.uri} is not read through a node cache daemon (cache= found "
+                "none), whose device copies it would view"
+            )
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     for spec in plan.files:
         tensors = plan.tensors_of(spec.path)
         if not tensors:
             continue
         mapped = store.mapped(spec.path, spec.size, spec.version)  # type: ignore[attr-defined]
         try:
-            for tensor in tensors:
-                yield tensor.name, view_as(mapped.bytes, tensor.offset, tensor)
+            for tensor in tensors:  # no local may hold the mapping (see below)
+                yield tensor.name, view_as(_file_bytes(mapped, device), tensor.offset, tensor)
             mapped.verify_unchanged()
         finally:
             mapped.close()  # a failed load's traceback holds this frame: it must not hold the mapping too
         if opts.progress is not None:
             opts.progress(sum(tensor.nbytes for tensor in tensors))
+
+
+def _file_bytes(mapped: MappedFile | SegmentSource, device: torch.device) -> torch.Tensor:
+    """A mapped file's bytes: its mapping on the CPU, the node cache daemon's copy of it on a GPU."""
+    return mapped.bytes if device.type == "cpu" else mapped.device_bytes(device)  # type: ignore[union-attr]
 
 
 def _submit_prefaults(prefaulter: ThreadPoolExecutor, layouts: list[FileLayout], arenas: list[HostArena]) -> None:

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from weightstream.errors import TruncatedFileError
 from weightstream.memory.devices import check_fits
 from weightstream.memory.host import view_as
 from weightstream.memory.ring import CopyEngine, CopyHandle, StagingRing
@@ -111,9 +112,23 @@ def stage_request(
     stop: threading.Event,
     opts: LoadOptions,
 ) -> CopyHandle | None:
-    """Read ``request`` into a free slot and launch its copy; the slot goes back to the ring either way."""
+    """Read ``request`` into a free slot and launch its copy; the slot goes back to the ring either way. A source
+    with memory the copy engine reads directly (the node cache's, for a CUDA destination) is copied from, with no
+    slot and no read."""
     if stop.is_set():
         return None
+    target = destination[request.dest_offset : request.dest_offset + request.nbytes]
+    copy_source = getattr(source, "copy_source", None)
+    if copy_source is not None:
+        if request.offset + request.nbytes > source.size:
+            raise TruncatedFileError(
+                f"{source.uri}: bytes {request.offset}..{request.offset + request.nbytes} asked of a "
+                f"{source.size}-byte file"
+            )
+        handle = ring.launch_direct(copy_source[request.offset : request.offset + request.nbytes], target)
+        if opts.progress is not None:
+            opts.progress(request.nbytes)
+        return handle
     slot = ring.acquire()
     launched = False
     try:
@@ -123,9 +138,7 @@ def stage_request(
         read_request(source, request, slot.view, at)
         if opts.progress is not None:
             opts.progress(request.nbytes)
-        handle = ring.launch(
-            slot, request.nbytes, destination[request.dest_offset : request.dest_offset + request.nbytes], start=at
-        )
+        handle = ring.launch(slot, request.nbytes, target, start=at)
         launched = True
         return handle
     finally:

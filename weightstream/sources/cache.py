@@ -9,6 +9,11 @@ the answer, and closes the descriptor. Every loader reads through it unchanged; 
 sharded-state loaders hand out views of the mapping (``zero_copy``), so a process attaching a cached
 checkpoint gets no fresh pages at all.
 
+For a CUDA destination each segment also gets a :attr:`SegmentSource.copy_source`, memory a copy engine
+reads straight from: the daemon's copy on this GPU (``cache serve --device``), imported and mapped
+read-only, when the daemon keeps one; else the segment itself mapped shared and read-only and
+page-locked in place (``cudaHostRegisterReadOnly``), so copies to the device need no staging slot.
+
 The daemon is found at a socket: ``cache=PATH``, or ``cache="auto"`` = ``$WEIGHTSTREAM_CACHE`` or
 :func:`default_socket`, used when a daemon listens there (else the load reads its source, and says so
 once in the log).
@@ -23,6 +28,7 @@ import os
 import socket
 import threading
 from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
@@ -31,11 +37,12 @@ from weightstream.errors import (
     CacheError,
     CacheProtocolError,
     CacheUnavailableError,
+    DeviceUnavailableError,
     SourceChangedError,
     TruncatedFileError,
 )
 from weightstream.sources.base import Source, Store
-from weightstream.sources.cache_protocol import MAX_ANSWER_BYTES, head_digest, receive, send
+from weightstream.sources.cache_protocol import MAX_ANSWER_BYTES, close_all, head_digest, receive, send
 
 log = logging.getLogger(__name__)
 
@@ -150,16 +157,33 @@ def _connect(path: str) -> socket.socket:
     return connection
 
 
+class CopySources(Protocol):
+    """Gives each segment of a CUDA load its :attr:`SegmentSource.copy_source`
+    (``weightstream.memory.segment_copies``)."""
+
+    def __call__(
+        self, store: CachedStore, segment: SegmentSource, fd: int, answer: Mapping[str, object]
+    ) -> torch.Tensor | None:
+        """What copies of ``segment`` (whose descriptor is ``fd``, attached with ``answer``) read from, or None."""
+
+
 class CachedStore:
     """``inner``'s files, read from the cache daemon at ``client`` (see the module's description)."""
 
     shares_memory = True
     """Its files are shared memory: ``zero_copy="auto"`` hands out views of them."""
 
-    def __init__(self, inner: Store, client: CacheClient, storage_options: Mapping[str, object] | None) -> None:
+    def __init__(
+        self,
+        inner: Store,
+        client: CacheClient,
+        storage_options: Mapping[str, object] | None,
+        copy_sources: CopySources | None = None,
+    ) -> None:
         self.inner = inner
         self.client = client
         self.lists = inner.lists
+        self._copy_sources = copy_sources
         try:
             self._storage_options = json.loads(json.dumps(dict(storage_options or {})))
         except (TypeError, ValueError) as error:
@@ -206,6 +230,8 @@ class CachedStore:
             if len(fds) != 1:
                 raise CacheProtocolError(f"{uri}: the cache daemon answered with {len(fds)} descriptors, not 1")
             segment = SegmentSource(uri, fds[0], answer)
+            if self._copy_sources is not None and segment.size:
+                segment.copy_source = self._copy_sources(self, segment, fds[0], answer)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -217,11 +243,35 @@ class CachedStore:
         self._segments[uri] = segment
         return segment
 
+    def device_copy(self, segment: SegmentSource, uuid: str) -> tuple[int, int]:
+        """A descriptor of the daemon's copy of ``segment`` on GPU ``uuid`` (made on its first request; the caller
+        closes it) and the copy's allocation bytes.
+
+        Raises:
+            CacheFullError: the GPU has no room for it; CacheError: the daemon keeps no copies on that GPU.
+        """
+        named = segment.uri if "://" in segment.uri else os.path.abspath(segment.uri)
+        request = {"op": "device", "uri": named, "size": segment.size, "version": segment.version, "gpu": uuid}
+        answer, fds = self.client.request({**request, "storage_options": self._storage_options})
+        allocation = answer.get("allocation_bytes")
+        if len(fds) != 1 or answer.get("size") != segment.size or answer.get("gpu") != uuid:
+            close_all(fds)
+            raise CacheProtocolError(
+                f"{segment.uri}: the cache daemon's device answer does not match the request: {dict(answer)!r:.300}"
+            )
+        if not isinstance(allocation, int) or isinstance(allocation, bool) or allocation < segment.size:
+            close_all(fds)
+            raise CacheProtocolError(f"{segment.uri}: the device copy's allocation_bytes is {allocation!r}")
+        return fds[0], allocation
+
 
 class SegmentSource:
     """A cached file: a private mapping of its read-only segment. Reads copy from it; :attr:`bytes` views it."""
 
     direct = False
+    copy_source: torch.Tensor | None = None
+    """For a CUDA destination: the file's bytes (uint8) where a copy engine reads them directly, the daemon's copy
+    on the GPU or the segment page-locked read-only; never written, never handed to a caller."""
 
     def __init__(self, uri: str, fd: int, answer: Mapping[str, object]) -> None:
         size, version, head = answer.get("size"), answer.get("version"), answer.get("head_sha256")
@@ -248,6 +298,19 @@ class SegmentSource:
     def bytes(self) -> torch.Tensor:
         """The file's bytes (uint8), a view of the mapping."""
         return self._bytes
+
+    def device_bytes(self, device: torch.device) -> torch.Tensor:
+        """The file's bytes on ``device``: the daemon's copy there, mapped read-only (``zero_copy=True`` on a GPU).
+
+        Raises:
+            DeviceUnavailableError: the daemon keeps no copy of this file on that GPU.
+        """
+        if self.copy_source is None or self.copy_source.device != device:
+            raise DeviceUnavailableError(
+                f"zero_copy=True on {device}: the cache daemon keeps no copy of {self.uri} on that GPU (start it with "
+                f"`weightstream cache serve --device cuda:N` for it), or pass zero_copy='auto' to copy to owned memory"
+            )
+        return self.copy_source
 
     def read(self, offset: int, nbytes: int) -> bytes:
         self._check_range(offset, nbytes)

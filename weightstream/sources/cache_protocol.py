@@ -27,13 +27,20 @@ MAX_REQUEST_BYTES = 64 << 10
 MAX_ANSWER_BYTES = 16 << 20
 """An answer lists at most the cache's entries (``ls``): 16 MiB holds about 50,000."""
 MAX_FDS = 1
-"""Descriptors per message: an ``attach`` answer hands over one segment."""
+"""Descriptors per message: an ``attach`` answer hands over one segment, a ``device`` answer one device copy."""
 HEAD_BYTES = 64 << 10
 """An attach answer carries the sha256 of the segment's first bytes: the client checks the segment it maps
 against it (the header it then parses is checked by the parser itself). 64 KiB: 1 MiB cost 3 ms an attach."""
 
 OPERATIONS: dict[str, dict[str, tuple[type, ...]]] = {
     "attach": {"uri": (str,), "size": (int, type(None)), "version": (str, type(None)), "storage_options": (dict,)},
+    "device": {
+        "uri": (str,),
+        "size": (int, type(None)),
+        "version": (str, type(None)),
+        "storage_options": (dict,),
+        "gpu": (str,),
+    },
     "ls": {},
     "stats": {},
     "evict": {"key": (str, type(None))},
@@ -112,8 +119,9 @@ def check_request(message: Mapping[str, object]) -> str:
         if isinstance(value, bool) or not isinstance(value, fields[name]):
             allowed = " or ".join("null" if kind is type(None) else kind.__name__ for kind in fields[name])
             raise CacheProtocolError(f"{op} request: {name!r} must be {allowed}, got {type(value).__name__}")
-    if op == "attach" and "uri" not in message:
-        raise CacheProtocolError("attach request: 'uri' is missing")
+    for required in {"attach": ("uri",), "device": ("uri", "gpu")}.get(op, ()):
+        if required not in message:
+            raise CacheProtocolError(f"{op} request: {required!r} is missing")
     return op
 
 

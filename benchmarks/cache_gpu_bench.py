@@ -1,0 +1,104 @@
+"""The node weight cache's GPU tier (issue 18 §8): a fresh process loading a cached checkpoint onto a GPU.
+
+Each round runs every method in a fresh process (interleaved; the page cache warm), timing from just before the
+load call (libraries imported and CUDA initialised before the clock) to every tensor on the device
+(``torch.cuda.synchronize``):
+
+- ``direct``: ``load_weights(uri, device="cuda")`` from the warm page cache, through the staging ring;
+- ``cache-host``: through a daemon holding host segments only: copies straight from the segments, page-locked
+  read-only in place (no staging slot);
+- ``cache-device``: through a daemon started with ``--device cuda:0``: device-to-device copies from its copy;
+- ``cache-device-view``: the same with ``zero_copy=True``: read-only views of the daemon's copy, no copy at all.
+
+    python benchmarks/cache_gpu_bench.py --size 4GiB --rounds 3 --json "$OUT/cache-gpu-4gib.json"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from weightstream.bench.demo import demo_checkpoint
+from weightstream.cache.daemon import daemon_process
+from weightstream.cli import parse_size
+
+LOAD = """
+import sys, time, json
+import torch, weightstream, weightstream.sources.cache, weightstream.memory.segment_copies
+torch.zeros(1, device="cuda")
+options = json.loads(sys.argv[2])
+started = time.perf_counter()
+weights = weightstream.load_weights(sys.argv[1], device="cuda", **options)
+torch.cuda.synchronize()
+seconds = time.perf_counter() - started
+total = sum(t.numel() * t.element_size() for t in weights.values())
+print(json.dumps({"seconds": seconds, "bytes": total, "devices": sorted({str(t.device) for t in weights.values()})}))
+"""
+
+
+def run(checkpoint: str, options: dict) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD, checkpoint, json.dumps(options)],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=parse_size, default=4 << 30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    checkpoint = demo_checkpoint(args.size, shards=4)
+    token = os.urandom(4).hex()
+    host = (f"/dev/shm/wsc-gpu-host-{token}", f"/tmp/wsc-gpu-host-{token}.sock")
+    device = (f"/dev/shm/wsc-gpu-dev-{token}", f"/tmp/wsc-gpu-dev-{token}.sock")
+    methods = {
+        "direct": {},
+        "cache-host": {"cache": host[1]},
+        "cache-device": {"cache": device[1]},
+        "cache-device-view": {"cache": device[1], "zero_copy": True},
+    }
+    seconds: dict[str, list[float]] = {}
+    with (
+        daemon_process(*host, prefetch=checkpoint),
+        daemon_process(*device, prefetch=checkpoint, serve_options=("--device", "cuda:0")),
+    ):
+        for method, options in methods.items():  # warm: the page cache, the daemon's device copies
+            run(checkpoint, options)
+        for round_number in range(args.rounds):
+            for method, options in methods.items():
+                result = run(checkpoint, options)
+                seconds.setdefault(method, []).append(result["seconds"])
+                gbps = result["bytes"] / result["seconds"] / 1e9
+                print(f"round {round_number + 1}/{args.rounds} {method:18s} {gbps:8.2f} GB/s", flush=True)
+    medians = {method: statistics.median(values) for method, values in seconds.items()}
+    report = {
+        "checkpoint": checkpoint,
+        "size": args.size,
+        "rounds": args.rounds,
+        "seconds": seconds,
+        "median_seconds": medians,
+        "gbps": {method: args.size / value / 1e9 for method, value in medians.items()},
+        "speedup_over_direct": {method: medians["direct"] / value for method, value in medians.items()},
+    }
+    print(json.dumps({key: report[key] for key in ("gbps", "speedup_over_direct")}, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

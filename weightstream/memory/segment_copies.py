@@ -1,0 +1,60 @@
+"""Where a CUDA load through the node cache copies each file from, with no staging slot.
+
+First choice, the daemon's own copy on this GPU (``cache serve --device``): imported and mapped read-only
+(``weightstream.memory.vmm``), so bytes move device to device, or not at all for ``zero_copy=True``. Else
+the segment in host shared memory, mapped read-only and page-locked in place
+(``weightstream.memory.shared``), so the copy engine's DMA reads it directly. A device whose driver cannot
+lock read-only memory gets neither: its copies go through the staging ring, and the log says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import torch
+
+from weightstream.errors import CacheFullError
+from weightstream.memory import pinning, vmm
+from weightstream.memory.shared import map_read_only
+from weightstream.sources.cache import CachedStore, SegmentSource
+
+log = logging.getLogger(__name__)
+
+
+class SegmentCopies:
+    """The copy sources of one CUDA load's segments, on ``device`` (see the module's description).
+
+    Example:
+        >>> store = CachedStore(inner, client, None, SegmentCopies(torch.device("cuda:0")))  # doctest: +SKIP
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.uuid = vmm.gpu_uuid(self.index)
+        self.locks_read_only = pinning.read_only_supported(self.index)
+        if not self.locks_read_only:
+            log.info(
+                "cuda:%d cannot page-lock read-only memory (cudaDevAttrHostRegisterReadOnlySupported is 0): copies "
+                "from the node cache's host memory go through staging slots",
+                self.index,
+            )
+
+    def __call__(
+        self, store: CachedStore, segment: SegmentSource, fd: int, answer: Mapping[str, object]
+    ) -> torch.Tensor | None:
+        gpus = answer.get("gpus")
+        if isinstance(gpus, list) and self.uuid in gpus:
+            try:
+                copy_fd, allocation_bytes = store.device_copy(segment, self.uuid)
+            except CacheFullError as error:
+                log.warning("%s: no device copy (%s); copying from the host's shared memory", segment.uri, error)
+            else:
+                try:
+                    return vmm.import_read_only(copy_fd, segment.size, allocation_bytes, self.index, segment.uri)
+                finally:
+                    os.close(copy_fd)
+        if not self.locks_read_only:
+            return None
+        return map_read_only(fd, segment.size, page_locked=True, what=segment.uri)

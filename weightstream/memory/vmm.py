@@ -1,0 +1,239 @@
+"""Device memory shared between processes through the CUDA virtual memory API (cuda-python's driver bindings).
+
+The cache daemon allocates a file's device copy with ``cuMemCreate``, asking for a POSIX file descriptor
+handle, fills it from the file's segment, and exports the handle (``cuMemExportToShareableHandle``): a
+descriptor that travels over the cache's Unix socket like a segment's. A client imports it
+(``cuMemImportFromShareableHandle``), reserves an address range, maps the allocation there and makes it
+readable by its device only (``CU_MEM_ACCESS_FLAGS_PROT_READ``: no client can write the shared bytes). The
+physical memory lives while any process holds a handle or a mapping of it, so clients keep their tensors
+when the daemon dies: unlike the legacy ``cudaIpcGetMemHandle``, whose memory dies with its exporter.
+Devices are named by UUID (``GPU-...``), the same in every process whatever its ``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import weakref
+from types import ModuleType
+
+import torch
+
+from weightstream.errors import CacheFullError, DeviceMemoryError, DeviceUnavailableError
+from weightstream.memory.pinning import INSTALL_HINT
+
+
+@functools.cache
+def driver() -> ModuleType:
+    """cuda-python's driver bindings, initialised (``cuInit``).
+
+    Raises:
+        DeviceUnavailableError: cuda-python is missing, or no usable driver.
+    """
+    try:
+        from cuda.bindings import driver as bindings
+    except ImportError as error:
+        raise DeviceUnavailableError(f"device memory sharing needs cuda-python ({error}); {INSTALL_HINT}") from None
+    try:
+        (status,) = bindings.cuInit(0)
+    except Exception as error:  # noqa: BLE001 - without a driver library cuda-python raises its own loader error
+        raise DeviceUnavailableError(f"the CUDA driver cannot be loaded: {error}") from None
+    if status != bindings.CUresult.CUDA_SUCCESS:
+        raise DeviceUnavailableError(f"cuInit failed: {_describe(bindings, status)}")
+    return bindings
+
+
+def check(status: object, call: str, error: type[Exception] = DeviceUnavailableError) -> None:
+    """Raise ``error`` naming ``call`` unless ``status`` is ``CUDA_SUCCESS``."""
+    bindings = driver()
+    if status != bindings.CUresult.CUDA_SUCCESS:
+        raise error(f"{call} failed: {_describe(bindings, status)}")
+
+
+def gpu_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` (as this process numbers its devices), as ``nvidia-smi -L`` prints it.
+
+    Example:
+        >>> gpu_uuid(0)  # doctest: +SKIP
+        'GPU-5f1c3a9e-0b6d-2c4e-9a7f-1e2d3c4b5a69'
+    """
+    bindings = driver()
+    status, device = bindings.cuDeviceGet(index)
+    check(status, f"cuDeviceGet({index})")
+    status, uuid = bindings.cuDeviceGetUuid(device)
+    check(status, f"cuDeviceGetUuid({index})")
+    text = bytes(uuid.bytes).hex()
+    return f"GPU-{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:32]}"
+
+
+def use_device(index: int) -> None:
+    """Make device ``index``'s primary context (torch's) current on this thread: the driver calls need one."""
+    (status,) = driver().cuCtxSetCurrent(_primary_context(index))
+    check(status, "cuCtxSetCurrent")
+
+
+@functools.cache
+def _primary_context(index: int) -> object:
+    """Device ``index``'s primary context, retained once for the life of the process."""
+    bindings = driver()
+    status, device = bindings.cuDeviceGet(index)
+    check(status, f"cuDeviceGet({index})")
+    status, context = bindings.cuDevicePrimaryCtxRetain(device)
+    check(status, f"cuDevicePrimaryCtxRetain({index})")
+    return context
+
+
+def _properties(index: int) -> object:
+    bindings = driver()
+    prop = bindings.CUmemAllocationProp()
+    prop.type = bindings.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = bindings.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = index
+    prop.requestedHandleTypes = bindings.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return prop
+
+
+def allocation_bytes(nbytes: int, index: int) -> int:
+    """``nbytes`` rounded up to the allocation granularity of device ``index`` (2 MiB on current GPUs)."""
+    bindings = driver()
+    flag = bindings.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    status, granularity = bindings.cuMemGetAllocationGranularity(_properties(index), flag)
+    check(status, "cuMemGetAllocationGranularity")
+    return -(-nbytes // granularity) * granularity
+
+
+class ExportedCopy:
+    """``nbytes`` copied from host memory at ``host_address`` to a new allocation on device ``index``, exported as a
+    POSIX file descriptor (:attr:`fd`). The daemon keeps one per cached file and GPU; :meth:`release` drops its
+    handle and descriptor (importers keep the memory until they unmap it).
+
+    Raises:
+        CacheFullError: the device has no room for it.
+        DeviceUnavailableError: the driver refused a call.
+
+    Example:
+        >>> copy = ExportedCopy(segment_address, 1 << 30, 0)  # doctest: +SKIP
+        >>> socket.send_fds(connection, [answer], [copy.fd])  # doctest: +SKIP
+    """
+
+    def __init__(self, host_address: int, nbytes: int, index: int, what: str) -> None:
+        bindings = driver()
+        use_device(index)
+        self.nbytes = nbytes
+        self.allocation_bytes = allocation_bytes(nbytes, index)
+        status, self._handle = bindings.cuMemCreate(self.allocation_bytes, _properties(index), 0)
+        if status == bindings.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            raise CacheFullError(
+                f"{what}: no room for a {self.allocation_bytes}-byte copy on device {index}: "
+                f"{_describe(bindings, status)}"
+            )
+        check(status, f"cuMemCreate({self.allocation_bytes}) for {what}")
+        try:
+            address = map_allocation(self._handle, self.allocation_bytes, index, writable=True)
+            try:
+                (status,) = bindings.cuMemcpyHtoD(address, host_address, nbytes)
+                check(status, f"cuMemcpyHtoD of {nbytes} bytes of {what}")
+            finally:
+                unmap_allocation(address, self.allocation_bytes)
+            handle_type = bindings.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            status, fd = bindings.cuMemExportToShareableHandle(self._handle, handle_type, 0)
+            check(status, f"cuMemExportToShareableHandle for {what}")
+            self.fd = int(fd)
+        except BaseException:
+            bindings.cuMemRelease(self._handle)
+            raise
+
+    def release(self) -> None:
+        """Close the descriptor and release the daemon's handle."""
+        os.close(self.fd)
+        driver().cuMemRelease(self._handle)
+
+
+def map_allocation(handle: object, nbytes: int, index: int, *, writable: bool) -> int:
+    """Reserve ``nbytes`` of address space, map ``handle``'s allocation there, give device ``index`` access (read and
+    write, or read only); its address."""
+    bindings = driver()
+    status, address = bindings.cuMemAddressReserve(nbytes, 0, 0, 0)
+    check(status, f"cuMemAddressReserve({nbytes})", DeviceMemoryError)
+    try:
+        (status,) = bindings.cuMemMap(address, nbytes, 0, handle, 0)
+        check(status, "cuMemMap", DeviceMemoryError)
+        access = bindings.CUmemAccessDesc()
+        access.location.type = bindings.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = index
+        flags = bindings.CUmemAccess_flags
+        access.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable else flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        (status,) = bindings.cuMemSetAccess(address, nbytes, [access], 1)
+        check(status, "cuMemSetAccess", DeviceMemoryError)
+    except BaseException:
+        bindings.cuMemUnmap(address, nbytes)
+        bindings.cuMemAddressFree(address, nbytes)
+        raise
+    return int(address)
+
+
+def unmap_allocation(address: int, nbytes: int) -> None:
+    """Undo :func:`map_allocation` (the allocation is freed once no process maps or holds it)."""
+    bindings = driver()
+    bindings.cuMemUnmap(address, nbytes)
+    bindings.cuMemAddressFree(address, nbytes)
+
+
+class _ImportedMemory:
+    """An imported allocation mapped read-only, as ``__cuda_array_interface__`` for torch; unmapped when the last
+    tensor over it dies."""
+
+    def __init__(self, address: int, nbytes: int, allocation_bytes: int, index: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+        weakref.finalize(self, _unmap_import, address, allocation_bytes, index).atexit = False
+
+
+def _unmap_import(address: int, allocation_bytes: int, index: int) -> None:
+    """Unmap an imported allocation once the device is done with it: torch frees a tensor's memory as its last
+    reference dies, while kernels queued before may still read it (torch's own allocator waits on streams; a
+    foreign allocation gets no such care)."""
+    use_device(index)
+    driver().cuCtxSynchronize()
+    unmap_allocation(address, allocation_bytes)
+
+
+_import_lock = threading.Lock()
+
+
+def import_read_only(fd: int, nbytes: int, allocation_bytes: int, index: int, what: str) -> torch.Tensor:
+    """The allocation exported as ``fd`` (``allocation_bytes``, of which ``nbytes`` hold the file), mapped read-only
+    on device ``index``: a uint8 tensor of ``nbytes`` there, valid whatever happens to the exporter. ``fd`` stays
+    the caller's to close.
+
+    Raises:
+        DeviceUnavailableError, DeviceMemoryError: the driver refused to import or map it.
+
+    Example:
+        >>> weights = import_read_only(fd, 1 << 30, 1 << 30, 0, "model.safetensors")  # doctest: +SKIP
+    """
+    bindings = driver()
+    with _import_lock:
+        use_device(index)
+        handle_type = bindings.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        status, handle = bindings.cuMemImportFromShareableHandle(fd, handle_type)
+        check(status, f"cuMemImportFromShareableHandle for {what}")
+        try:
+            address = map_allocation(handle, allocation_bytes, index, writable=False)
+        finally:
+            bindings.cuMemRelease(handle)  # the mapping holds the memory now
+    memory = _ImportedMemory(address, nbytes, allocation_bytes, index)
+    return torch.as_tensor(memory, device=torch.device("cuda", index))
+
+
+def _describe(bindings: ModuleType, status: object) -> str:
+    _, name = bindings.cuGetErrorName(status)
+    _, text = bindings.cuGetErrorString(status)
+    return f"{name.decode() if name else status} ({text.decode() if text else 'no description'})"
