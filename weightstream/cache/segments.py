@@ -224,11 +224,11 @@ class SegmentStore:
                 f"the machine has {available} bytes of memory available (MemAvailable), "
                 f"{MEMORY_RESERVE_BYTES} kept free"
             )
-        room = _cgroup_room()
+        room = cgroup_room()
         if room is not None and room - MEMORY_RESERVE_BYTES < size:
             return (
-                f"the daemon's cgroup may charge {room} more bytes (memory.max - memory.current), shared memory is "
-                f"charged to it, {MEMORY_RESERVE_BYTES} kept free"
+                f"the daemon's memory cgroup may be charged {room} more bytes (its limit less its usage), shared "
+                f"memory is charged to it, {MEMORY_RESERVE_BYTES} kept free"
             )
         return None
 
@@ -359,16 +359,53 @@ def _mem_available() -> int | None:
     return None
 
 
-def _cgroup_room() -> int | None:
-    """Bytes the process's cgroup (v2) may still be charged, or None without a limit."""
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/cgroup") as cgroup:
-            relative = next(line.split("::", 1)[1].strip() for line in cgroup if line.startswith("0::"))
-        base = os.path.join("/sys/fs/cgroup", relative.lstrip("/"))
-        with open(os.path.join(base, "memory.max")) as limit_file:
-            limit = limit_file.read().strip()
-        if limit == "max":
+CGROUP_UNLIMITED = 1 << 62
+"""cgroup v1 writes "no limit" as a page-rounded 2**63 - 1: any limit above this is none."""
+
+
+def cgroup_room(cgroup_file: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup may still be charged: the least room (limit less usage) of its cgroup and
+    each ancestor that has a limit, cgroup v2 (``memory.max``, ``memory.current``) or v1 (``memory.limit_in_bytes``,
+    ``memory.usage_in_bytes``); None where none is limited or the files cannot be read.
+
+    Example:
+        >>> room = cgroup_room()
+        >>> room is None or isinstance(room, int)
+        True
+    """
+    try:
+        with open(cgroup_file) as cgroup:
+            entries = [line.rstrip("\n").split(":", 2) for line in cgroup if line.count(":") >= 2]
+    except OSError:
+        return None
+    v1 = next((path for _, controllers, path in entries if "memory" in controllers.split(",")), None)
+    if v1 is not None:
+        top, path, names = os.path.join(mount, "memory"), v1, ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    else:
+        v2 = next((path for hierarchy, controllers, path in entries if hierarchy == "0" and not controllers), None)
+        if v2 is None:
             return None
-        with open(os.path.join(base, "memory.current")) as current_file:
-            return int(limit) - int(current_file.read())
-    return None
+        top, path, names = mount, v2, ("memory.max", "memory.current")
+    rooms = []
+    directory = os.path.normpath(os.path.join(top, path.lstrip("/")))
+    while True:
+        room = _room_of(directory, *names)
+        if room is not None:
+            rooms.append(room)
+        if directory == top or not directory.startswith(top):
+            break
+        directory = os.path.dirname(directory)
+    return min(rooms, default=None)
+
+
+def _room_of(directory: str, limit_name: str, usage_name: str) -> int | None:
+    """A cgroup's limit less its usage, or None without a limit (or files to say)."""
+    try:
+        with open(os.path.join(directory, limit_name)) as limit_file:
+            limit = limit_file.read().strip()
+        if limit == "max" or int(limit) >= CGROUP_UNLIMITED:
+            return None
+        with open(os.path.join(directory, usage_name)) as usage_file:
+            return int(limit) - int(usage_file.read())
+    except (OSError, ValueError):
+        return None
