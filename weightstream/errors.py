@@ -4,14 +4,82 @@ Every error raised on purpose is a :class:`WeightstreamError`. Each leaf also
 subclasses the built-in exception a caller would naturally catch, so
 ``except ValueError`` around a load of a corrupt file keeps working.
 Messages name the file, the tensor, the byte offsets, and what was expected
-against what was found.
+against what was found, and never a secret: signatures, tokens and keys in the URLs
+and connection strings they quote are redacted (:func:`redact`), in every message
+and, through :func:`logger`, every log line.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+
+REDACTED = "REDACTED"
+SECRET_QUERY = re.compile(
+    r"(?i)([?&](?:sig|signature|x-amz-signature|x-amz-security-token|x-amz-credential|x-goog-signature|"
+    r"x-goog-credential|token|access_token|id_token|code|key|password)=)[^&#:\s'\"]+"
+)
+"""Query parameters that carry secrets: SAS signatures, presigned-URL signatures and credentials, tokens."""
+SECRET_FIELDS = re.compile(
+    r"(?i)(\b(?:AccountKey|SharedAccessSignature|SharedAccessKey|account_key|sas_token|client_secret|password)"
+    r"['\"]?\s*[=:]\s*['\"]?)[^;&:\s'\",}]+"
+)
+"""Connection-string fields (``AccountKey=...;``) and option names (``'sas_token': '...'``) that hold secrets."""
+CREDENTIAL_HEADER = re.compile(
+    r"(?i)(\b(?:authorization|proxy-authorization)['\"]?\s*[=:]\s*['\"]?(?:\w+ )?)[^'\",}:\s]+"
+)
+"""An ``Authorization`` header's credentials (after its scheme: ``Bearer``, ``Basic``)."""
+SAS_SIGNATURE = re.compile(r"(?i)(\bsig=)[^&#:\s'\"]+")
+"""A SAS token's signature given without its URL (``sv=...&sig=...``)."""
+
+
+def redact(text: str) -> str:
+    """``text`` with every secret it quotes (signatures, tokens, keys, credentials) replaced by ``REDACTED``.
+
+    Example:
+        >>> redact("https://a.blob.core.windows.net/c/m.safetensors?sv=2022-11-02&sig=abc%2Bdef: HTTP 403")
+        'https://a.blob.core.windows.net/c/m.safetensors?sv=2022-11-02&sig=REDACTED: HTTP 403'
+        >>> redact("DefaultEndpointsProtocol=http;AccountName=dev;AccountKey=Eby8vdM02x==;BlobEndpoint=x")
+        'DefaultEndpointsProtocol=http;AccountName=dev;AccountKey=REDACTED;BlobEndpoint=x'
+    """
+    for pattern in (SECRET_QUERY, SECRET_FIELDS, CREDENTIAL_HEADER, SAS_SIGNATURE):
+        text = pattern.sub(lambda match: match.group(1) + REDACTED, text)
+    return text
+
+
+class _Redacting(logging.Filter):
+    """Redacts every record of the logger it is on (its message with its arguments in)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = redact(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
+_REDACTING = _Redacting()
+
+
+def logger(name: str) -> logging.Logger:
+    """The logger ``name`` (a module's ``__name__``), with its lines redacted as error messages are.
+
+    Example:
+        >>> log = logger("weightstream.sources.azure")
+        >>> log.name
+        'weightstream.sources.azure'
+    """
+    named = logging.getLogger(name)
+    if _REDACTING not in named.filters:
+        named.addFilter(_REDACTING)
+    return named
+
 
 class WeightstreamError(Exception):
-    """Root of every error weightstream raises on purpose."""
+    """Root of every error weightstream raises on purpose. Its message is redacted (:func:`redact`)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 class OptionError(WeightstreamError, TypeError):

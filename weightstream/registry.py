@@ -11,16 +11,15 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
-import logging
 import types
 from collections.abc import Callable, Mapping
 from typing import TypeVar, overload
 
-from weightstream.errors import InvalidOptionError, LoaderRegistrationError, OptionError, UnknownFormatError
+from weightstream.errors import InvalidOptionError, LoaderRegistrationError, OptionError, UnknownFormatError, logger
 from weightstream.loaders.base import Loader
 from weightstream.options import LoadOptions, core_option_names
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 ENTRY_POINT_GROUP = "weightstream.loaders"
 

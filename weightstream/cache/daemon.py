@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
-import logging
 import os
 import shutil
 import signal
@@ -37,13 +36,14 @@ from weightstream.errors import (
     CacheRefusedError,
     CacheUnavailableError,
     WeightstreamError,
+    logger,
 )
 from weightstream.sources import store_for
 from weightstream.sources.base import Source, Store
 from weightstream.sources.cache_protocol import MAX_REQUEST_BYTES, check_request, close_all, receive, send
 from weightstream.sources.retry import RetryPolicy
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 CREDENTIALS = struct.Struct("3i")
 """``struct ucred``: pid, uid, gid."""

@@ -13,18 +13,17 @@ its segments, and clients that imported one keep theirs.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import threading
 import time
 
 import torch
 
-from weightstream.errors import CacheError, CacheFullError, DeviceUnavailableError
+from weightstream.errors import CacheError, CacheFullError, DeviceUnavailableError, logger
 from weightstream.memory import vmm
 from weightstream.memory.shared import map_read_only
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 
 @dataclasses.dataclass

@@ -20,20 +20,19 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import logging
 import mmap
 import os
 import re
 import time
 from collections.abc import Callable, Iterator
 
-from weightstream.errors import CacheError, CacheFullError, FormatError
+from weightstream.errors import CacheError, CacheFullError, FormatError, logger
 from weightstream.formats.strict_json import parse_json
 from weightstream.sources.base import Source
 from weightstream.sources.cache_protocol import HEAD_BYTES, head_digest
 from weightstream.sources.local import DIRECT_ALIGNMENT
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 FILL_CHUNK_BYTES = 8 << 20
 """The fill's read requests."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 import os
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from types import ModuleType
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 
 import weightstream
-from weightstream.errors import EngineUnavailableError, InvalidOptionError, WeightsMismatchError
+from weightstream.errors import EngineUnavailableError, InvalidOptionError, WeightsMismatchError, logger
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
 from weightstream.planning.checkpoint import find_files
 from weightstream.registry import available_loaders, split_options
@@ -22,7 +21,7 @@ from weightstream.sources import hub
 from weightstream.sources.local import LocalStore
 from weightstream.sources.pagecache import resident_fraction
 
-logger = logging.getLogger(__name__)
+log = logger(__name__)
 
 
 def engine_formats() -> dict[str, str]:
@@ -115,7 +114,7 @@ def engine_cache(options: dict[str, Any], load_format: str) -> dict[str, Any]:
     except CacheUnavailableError as error:
         if required:
             raise
-        logger.warning("%s: %s; reading the weights from their source (cache_required is not set)", load_format, error)
+        log.warning("%s: %s; reading the weights from their source (cache_required is not set)", load_format, error)
         del options["cache"]
         return options
     options["cache"] = path
@@ -205,7 +204,7 @@ def checkpoint_reading(
         sizes = {path: os.path.getsize(path) for path in find_files(LocalStore(), uri).files}
         resident = sum(resident_fraction(path) * size for path, size in sizes.items()) / max(1, sum(sizes.values()))
         if resident < RESIDENT_FOR_MAPPING:
-            logger.info(
+            log.info(
                 "%s: %.0f%% in the page cache: reading it layer by layer while the engine copies", uri, 100 * resident
             )
             return "layered", options

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import time
 from typing import Any
 
@@ -50,13 +49,13 @@ from weightstream.engines.common import (
 )
 from weightstream.engines.materialise import materialise, parameters_on_meta
 from weightstream.engines.writes import WriteRecorder
-from weightstream.errors import UnknownFormatError
+from weightstream.errors import UnknownFormatError, logger
 
 INSTALL = "pip install sglang"
 VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
 """The method SGLang checks ``--load-format`` strings with; our AROUND hook maps our names to classes."""
 
-logger = logging.getLogger(__name__)
+log = logger(__name__)
 
 
 def register() -> None:
@@ -128,7 +127,7 @@ def _loader_class(load_format: str, weightstream_format: str) -> type:
                 model = _load_checkpoint(
                     self.load_config, model_config, device_config, uri, weightstream_format, options
                 )
-            logger.info(
+            log.info(
                 "Loading weights took %.2f seconds (weightstream, format %s)",
                 time.perf_counter() - started,
                 weightstream_format,

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import re
 from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import torch
 
-from weightstream.errors import InvalidOptionError, OptionError
+from weightstream.errors import InvalidOptionError, OptionError, logger
 from weightstream.loaders.safetensors import plan_checkpoint
 from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions, is_int
@@ -20,7 +19,7 @@ from weightstream.planning.plan import LoadPlan
 from weightstream.readers.layered import LayerHook, LayerReading, Tensors, read_layers
 from weightstream.sources import Store
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from weightstream.errors import DeviceMemoryError, DeviceUnavailableError, HostMemoryError
+from weightstream.errors import DeviceMemoryError, DeviceUnavailableError, HostMemoryError, logger
 from weightstream.memory import pinning
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 
 def cuda_available() -> bool:

@@ -14,7 +14,6 @@ the last tensor dies and before the mapping is unmapped (the array still holds i
 from __future__ import annotations
 
 import ctypes
-import logging
 import mmap
 import os
 import warnings
@@ -22,11 +21,11 @@ import weakref
 
 import torch
 
-from weightstream.errors import HostMemoryError
+from weightstream.errors import HostMemoryError, logger
 from weightstream.memory import pinning
 from weightstream.planning.plan import TensorSpec
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 MADV_POPULATE_WRITE = 23
 """Linux 5.14+: fault pages in writable without writing to them (not in Python's mmap module yet)."""

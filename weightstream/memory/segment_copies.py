@@ -9,18 +9,17 @@ lock read-only memory gets neither: its copies go through the staging ring, and 
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 
 import torch
 
-from weightstream.errors import CacheFullError
+from weightstream.errors import CacheFullError, logger
 from weightstream.memory import pinning, vmm
 from weightstream.memory.shared import map_read_only
 from weightstream.sources.cache import CachedStore, SegmentSource
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 
 class SegmentCopies:

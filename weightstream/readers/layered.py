@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import logging
 import queue
 import threading
 import weakref
@@ -34,7 +33,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, wait
 import torch
 import torch.utils.dlpack
 
-from weightstream.errors import LayerInUseError, OptionError
+from weightstream.errors import LayerInUseError, OptionError, logger
 from weightstream.memory.devices import check_fits
 from weightstream.memory.host import HostArena, view_as
 from weightstream.memory.ring import StagingRing
@@ -51,7 +50,7 @@ from weightstream.readers.tasks import (
 )
 from weightstream.sources.base import Source, Store
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 Tensors = dict[str, torch.Tensor]
 

@@ -10,14 +10,13 @@ or because the consumer stopped iterating.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from weightstream.errors import DeviceUnavailableError
+from weightstream.errors import DeviceUnavailableError, logger
 from weightstream.memory.devices import check_destination, check_fits
 from weightstream.memory.host import HostArena, view_as
 from weightstream.options import LoadOptions
@@ -35,7 +34,7 @@ from weightstream.sources.cache import SegmentSource
 from weightstream.sources.local import LocalStore
 from weightstream.sources.mapped import MappedFile
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 
 def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:

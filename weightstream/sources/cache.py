@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import socket
 import threading
@@ -40,11 +39,12 @@ from weightstream.errors import (
     DeviceUnavailableError,
     SourceChangedError,
     TruncatedFileError,
+    logger,
 )
 from weightstream.sources.base import Source, Store
 from weightstream.sources.cache_protocol import MAX_ANSWER_BYTES, close_all, head_digest, receive, send
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 ENVIRONMENT = "WEIGHTSTREAM_CACHE"
 """The variable naming the daemon's socket for ``cache="auto"``."""

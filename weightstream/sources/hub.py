@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import re
 import urllib.parse
@@ -28,6 +27,7 @@ from weightstream.errors import (
     ShardIndexError,
     SourceError,
     UnsupportedInputError,
+    logger,
 )
 from weightstream.formats.index import INDEX_NAME, MAX_INDEX_BYTES, parse_index
 from weightstream.sources.base import Store
@@ -35,7 +35,7 @@ from weightstream.sources.http import HttpStore, RedirectTrail
 from weightstream.sources.local import LocalStore
 from weightstream.sources.retry import RetryPolicy, Transient
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 HUB_SCHEME = "hf://"
 DEFAULT_ENDPOINT = "https://huggingface.co"

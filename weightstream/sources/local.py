@@ -16,20 +16,19 @@ Hugging Face cache links every snapshot file into its blob store.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 from typing import TYPE_CHECKING, Literal
 
 from typing_extensions import Self
 
-from weightstream.errors import SourceChangedError, SourceError, TruncatedFileError
+from weightstream.errors import SourceChangedError, SourceError, TruncatedFileError, logger
 from weightstream.sources.pagecache import resident_fraction
 from weightstream.sources.regular import open_regular
 
 if TYPE_CHECKING:
     from weightstream.sources.mapped import MappedFile
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 DIRECT_ALIGNMENT = 4096
 """Offsets, lengths and memory of direct reads are multiples of this (any block size divides it)."""
