@@ -217,10 +217,37 @@ def gcs_endpoint(tmp_path_factory):
         yield endpoint
 
 
-@pytest.fixture(params=["s3", "gs"])
+@pytest.fixture(scope="session")
+def azure_endpoint(tmp_path_factory):
+    """An Azure Blob emulator (Azurite) for the session, reached through AZURE_STORAGE_CONNECTION_STRING."""
+    import fsspec.asyn
+
+    from tests.objstore import azure_connection_string, azurite
+
+    # fsspec's one IO thread lives as long as the process: not a load's leak. So do the threads of its loop's
+    # executor, where aiohttp (under adlfs) looks up netrc and proxy settings for each request: made here.
+    loop = fsspec.asyn.get_loop()
+    fsspec.asyn.sync(loop, _fill_executor, loop)
+    with (
+        azurite(tmp_path_factory.mktemp("azure")) as endpoint,
+        _environment({"AZURE_STORAGE_CONNECTION_STRING": azure_connection_string(endpoint)}),
+    ):
+        yield endpoint
+
+
+async def _fill_executor(loop) -> None:
+    import asyncio
+
+    await asyncio.gather(*(loop.run_in_executor(None, time.sleep, 0.05) for _ in range(16)))
+
+
+ENDPOINTS = {"s3": "s3_endpoint", "gs": "gcs_endpoint", "az": "azure_endpoint"}
+
+
+@pytest.fixture(params=list(ENDPOINTS))
 def scheme(request) -> str:
     """Each object store, its server started once per session."""
-    request.getfixturevalue("s3_endpoint" if request.param == "s3" else "gcs_endpoint")
+    request.getfixturevalue(ENDPOINTS[request.param])
     return request.param
 
 

@@ -1,5 +1,5 @@
-"""Real object-store servers for the tests: SeaweedFS (S3) and fake-gcs-server (GCS), started as
-subprocesses on 127.0.0.1 and stopped by pid (see the team's objstore.md)."""
+"""Real object-store servers for the tests: SeaweedFS (S3), fake-gcs-server (GCS) and Azurite (Azure Blob),
+started as subprocesses on 127.0.0.1 and stopped by pid (see the team's objstore.md)."""
 
 from __future__ import annotations
 
@@ -121,8 +121,17 @@ def s3_client(endpoint: str | None = None):
 
 
 def put(scheme: str, path: Path, key: str) -> None:
-    """Upload the local file ``path`` as ``key`` in bucket ``bench`` of the session's S3 (``s3``) or GCS (``gs``)
-    server."""
+    """Upload the local file ``path`` as ``key`` in bucket (container) ``bench`` of the session's S3 (``s3``), GCS
+    (``gs``) or Azure (``az``) server."""
+    if scheme == "az":  # the synchronous SDK: adlfs would start threads in fsspec's loop that outlive the test
+        from azure.storage.blob import BlobServiceClient
+
+        with (
+            BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"]) as service,
+            open(path, "rb") as body,
+        ):
+            service.get_blob_client(BUCKET, key).upload_blob(body, overwrite=True)
+        return
     if scheme == "s3":
         client = s3_client()
         try:
@@ -193,6 +202,59 @@ def fake_gcs(directory: Path) -> Iterator[str]:
             headers={"Content-Type": "application/json"},
         )
         urllib.request.urlopen(request, timeout=10).read()
+        yield endpoint
+    finally:
+        stop(process)
+
+
+AZURITE_VERSION = "3.35.0"
+"""The newest Azurite that runs on Node 20 (3.36 needs Node 21)."""
+AZURE_ACCOUNT = "devstoreaccount1"
+AZURE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+"""Azurite's well-known development account and its published key."""
+
+
+def azurite_binary() -> str:
+    """Azurite's blob server, installed from npm into ``~/.cache/weightstream/azurite`` on first use."""
+    prefix = Path.home() / ".cache" / "weightstream" / f"azurite-{AZURITE_VERSION}"
+    binary = prefix / "node_modules" / ".bin" / "azurite-blob"
+    if not binary.exists():
+        npm = shutil.which("npm")
+        if npm is None:
+            raise RuntimeError("Azurite needs Node.js and npm (apt-get install nodejs npm)")
+        subprocess.run(
+            [npm, "install", "--prefix", str(prefix), f"azurite@{AZURITE_VERSION}", "--silent", "--no-audit"],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+    return str(binary)
+
+
+def azure_connection_string(endpoint: str) -> str:
+    """The connection string of the development account served at ``endpoint`` (``http://host:port``)."""
+    return (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURE_ACCOUNT};AccountKey={AZURE_KEY};"
+        f"BlobEndpoint={endpoint}/{AZURE_ACCOUNT};"
+    )
+
+
+@contextlib.contextmanager
+def azurite(directory: Path) -> Iterator[str]:
+    """An Azure Blob endpoint (Azurite) with container ``bench``; yields its URL (``http://127.0.0.1:PORT``)."""
+    port = free_port()
+    log = directory / "azurite.log"
+    command = [azurite_binary(), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(directory)]
+    command += ["--skipApiVersionCheck", "--loose", "--silent"]
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        _wait_for(endpoint + f"/{AZURE_ACCOUNT}?comp=list", process, log)
+        from azure.storage.blob import BlobServiceClient
+
+        with BlobServiceClient.from_connection_string(azure_connection_string(endpoint)) as service:
+            service.create_container(BUCKET)
         yield endpoint
     finally:
         stop(process)

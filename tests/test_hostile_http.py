@@ -133,7 +133,8 @@ def test_percent_encoded_shard_names_cannot_leave_the_checkpoint(tmp_path: Path,
 def test_unknown_schemes_are_unsupported_not_missing(no_leaks):
     for uri in ("ftp://host/model.safetensors", "hdfs://cluster/model/"):
         with pytest.raises(
-            weightstream.UnsupportedInputError, match=r"://.* URIs are not supported; use s3://, gs://, http\(s\)://"
+            weightstream.UnsupportedInputError,
+            match=r"://.* URIs are not supported; use s3://, gs://, az://, http\(s\)://",
         ):
             weightstream.load_weights(uri)
 

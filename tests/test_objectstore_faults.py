@@ -12,6 +12,7 @@ import pytest
 import weightstream
 from tests.conftest import assert_same, save_hf_sharded
 from tests.faultproxy import FaultProxy
+from tests.objstore import azure_connection_string
 from tests.test_objectstore import upload
 from weightstream.bench.demo import LlamaShape, llama_state_dict
 
@@ -19,15 +20,19 @@ pytestmark = pytest.mark.slow
 
 MIB = 1 << 20
 SHAPE = LlamaShape(hidden=256, intermediate=704, layers=2, vocab=2000)  # shards of about 1.5 MiB
-DATA_GET = r"^GET (/download/storage/v1/b/bench/o/|/bench/|/buckets/bench/).*model-00001-of-00002"
-"""Range GETs of the first shard's bytes (S3 paths, GCS download URLs, the HTTP filer; not GCS metadata GETs)."""
+DATA_GET = (
+    r"^GET (/download/storage/v1/b/bench/o/|/bench/|/buckets/bench/|/devstoreaccount1/bench/).*model-00001-of-00002"
+)
+"""Range GETs of the first shard's bytes (S3 paths, GCS download URLs, the HTTP filer, Azure blob URLs; not GCS
+metadata GETs)."""
+ENDPOINTS = {"s3": "s3_endpoint", "gs": "gcs_endpoint", "http": "s3_endpoint", "az": "azure_endpoint"}
 
 
-@pytest.fixture(params=["s3", "gs", "http"])
+@pytest.fixture(params=list(ENDPOINTS))
 def faulty(request, tmp_path_factory):
     """(uri, state, proxy) for a checkpoint behind a fault proxy, per object store (and plain HTTP)."""
     scheme = request.param
-    endpoint = request.getfixturevalue("gcs_endpoint" if scheme == "gs" else "s3_endpoint")
+    endpoint = request.getfixturevalue(ENDPOINTS[scheme])
     state = llama_state_dict(SHAPE, seed=3)
     uri = upload(
         "s3" if scheme == "http" else scheme,
@@ -43,7 +48,10 @@ def faulty(request, tmp_path_factory):
 
 def load_through(proxy: FaultProxy, uri: str, inject=None, **options) -> dict:
     """Plan through the proxy, then inject the faults (so they hit tensor data), then read."""
-    through = {} if uri.startswith("http") else {"storage_options": {"endpoint_url": proxy.url}}
+    through = {
+        "http": {},
+        "az": {"storage_options": {"connection_string": azure_connection_string(proxy.url)}},
+    }.get(uri.split(":")[0], {"storage_options": {"endpoint_url": proxy.url}})
     options = {**through, "chunk_bytes": 1 << 20, "threads": 2, **options}
     stream = weightstream.iter_weights(uri, **options)
     if inject is not None:
@@ -141,13 +149,20 @@ def test_the_deadline_ends_a_stalled_load(faulty, no_leaks):
     assert time.monotonic() - start < 10
 
 
-def test_bad_credentials_are_not_retried(s3_endpoint, faulty, no_leaks):
+def test_bad_credentials_are_not_retried(faulty, no_leaks):
     uri, _, proxy = faulty
-    if not uri.startswith("s3://"):
+    if not uri.startswith(("s3://", "az://")):
         pytest.skip("the GCS emulator and the HTTP filer do not check credentials")
     before = len(proxy.requests)
+    wrong = (
+        {"endpoint_url": proxy.url, "key": "testing", "secret": "wrong"}
+        if uri.startswith("s3://")
+        else {"connection_string": azure_connection_string(proxy.url).replace("AccountKey=Eby8", "AccountKey=Xby8")}
+    )
     with pytest.raises(
-        weightstream.SourceError, match=r"access denied|AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId"
-    ):
-        weightstream.load_weights(uri, storage_options={"endpoint_url": proxy.url, "key": "testing", "secret": "wrong"})
+        weightstream.SourceError,
+        match=r"access denied|AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId|AuthorizationFailure",
+    ) as refused:
+        weightstream.load_weights(uri, storage_options=wrong)
     assert len(proxy.requests) - before <= 2, proxy.requests[before:]
+    assert "Xby8" not in str(refused.value)

@@ -13,9 +13,19 @@ import re
 
 from weightstream.errors import MissingDependencyError
 
-MINIMUM_VERSIONS = {"botocore": "1.34.0", "fsspec": "2024.6.0", "gcsfs": "2024.6.0"}
+MINIMUM_VERSIONS = {
+    "botocore": "1.34.0",
+    "fsspec": "2024.6.0",
+    "gcsfs": "2024.6.0",
+    "adlfs": "2024.4.1",
+    "azure-storage-blob": "12.19.0",
+}
 """The oldest release of each backend weightstream is tested with (the floors of the extras in pyproject.toml)."""
-INSTALL_HINTS = {"s3": "pip install -U 'weightstream[s3]'", "gs": "pip install -U 'weightstream[gcs]'"}
+INSTALL_HINTS = {
+    "s3": "pip install -U 'weightstream[s3]'",
+    "gs": "pip install -U 'weightstream[gcs]'",
+    "az": "pip install -U 'weightstream[azure]'",
+}
 
 
 def require(scheme: str, *distributions: str) -> None:
