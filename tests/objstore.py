@@ -245,9 +245,11 @@ def azurite(directory: Path) -> Iterator[str]:
     port = free_port()
     log = directory / "azurite.log"
     command = [azurite_binary(), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(directory)]
-    command += ["--skipApiVersionCheck", "--loose", "--silent"]
-    with open(log, "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    command += ["--skipApiVersionCheck", "--loose", "--silent", "--disableTelemetry"]
+    with open(log, "wb") as output:  # its own TMPDIR: Node's libraries write there, and the tests watch /tmp
+        process = subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(directory)}
+        )
     try:
         endpoint = f"http://127.0.0.1:{port}"
         _wait_for(endpoint + f"/{AZURE_ACCOUNT}?comp=list", process, log)
@@ -258,3 +260,61 @@ def azurite(directory: Path) -> Iterator[str]:
         yield endpoint
     finally:
         stop(process)
+
+
+REGISTRY_PACKAGE = "docker-registry"
+"""Debian's build of the CNCF distribution registry (2.8): ``apt-get download``, unpacked without installing."""
+
+
+def registry_binary() -> str:
+    """The registry's binary, unpacked from Debian's package into ``~/.cache/weightstream`` on first use."""
+    prefix = Path.home() / ".cache" / "weightstream" / REGISTRY_PACKAGE
+    binary = prefix / "usr" / "bin" / "docker-registry"
+    if not binary.exists():
+        if shutil.which("apt-get") is None or shutil.which("dpkg") is None:
+            raise RuntimeError("the OCI registry tests need apt-get and dpkg to fetch Debian's docker-registry")
+        with tempfile_directory() as scratch:
+            subprocess.run(
+                ["apt-get", "download", REGISTRY_PACKAGE], cwd=scratch, check=True, capture_output=True, timeout=300
+            )
+            (package,) = Path(scratch).glob(f"{REGISTRY_PACKAGE}_*.deb")
+            subprocess.run(["dpkg", "-x", str(package), str(prefix)], check=True, capture_output=True, timeout=300)
+    return str(binary)
+
+
+@contextlib.contextmanager
+def tempfile_directory() -> Iterator[str]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ws-apt-") as scratch:
+        os.chmod(scratch, 0o755)  # apt's _apt user writes the download there
+        yield scratch
+
+
+@contextlib.contextmanager
+def oci_registry(directory: Path, auth: str = "") -> Iterator[str]:
+    """A CNCF distribution registry on loopback storing under ``directory`` (``auth``: extra YAML for its ``auth``
+    section); yields its address ``127.0.0.1:PORT``."""
+    port = free_port()
+    config = directory / "registry.yml"
+    config.write_text(
+        "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
+        f"    rootdirectory: {directory / 'data'}\n  delete:\n    enabled: true\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n{auth}"
+    )
+    log = directory / "registry.log"
+    with open(log, "wb") as output:
+        process = subprocess.Popen([registry_binary(), "serve", str(config)], stdout=output, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(f"http://127.0.0.1:{port}/v2/", process, log)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop(process)
+
+
+def htpasswd(path: Path, username: str, password: str) -> str:
+    """An htpasswd file for ``username`` (bcrypt, as the registry wants); the ``auth`` YAML that uses it."""
+    import bcrypt
+
+    path.write_text(f"{username}:{bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()}\n")
+    return f"auth:\n  htpasswd:\n    realm: weightstream-tests\n    path: {path}\n"

@@ -134,7 +134,7 @@ def test_unknown_schemes_are_unsupported_not_missing(no_leaks):
     for uri in ("ftp://host/model.safetensors", "hdfs://cluster/model/"):
         with pytest.raises(
             weightstream.UnsupportedInputError,
-            match=r"://.* URIs are not supported; use s3://, gs://, az://, http\(s\)://",
+            match=r"://.* URIs are not supported; use s3://, gs://, az://, oci://, http\(s\)://",
         ):
             weightstream.load_weights(uri)
 

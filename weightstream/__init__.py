@@ -9,6 +9,7 @@ import importlib
 
 from weightstream.api import iter_layers, iter_weights, load_weights
 from weightstream.errors import (
+    AccessDeniedError,
     BenchmarkError,
     CheckpointClosedError,
     DeviceMemoryError,
@@ -65,6 +66,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AccessDeniedError",
     "BenchmarkError",
     "Checkpoint",
     "CheckpointClosedError",

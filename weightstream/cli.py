@@ -6,6 +6,7 @@ weightstream load URI [--json] [--format F] [--device cuda] [--pin-memory] [--th
 weightstream bench [URI] [--device cuda] [--size 1GiB] [--layers N] [--rounds 3] [--json] [--plot bench.png]
 weightstream convert SRC DST --to sharded-state --tp N [--engine vllm|sglang] [--rule PATTERN=DIM ...]
                              [--max-file-mib M] [--json]
+weightstream push DIR oci://registry/repository:tag [--json]
 weightstream cache serve [--dir DIR] [--socket PATH] [--budget SIZE] [--group G] [--device cuda:N ...] [--json]
 weightstream cache ls|stats|stop|evict [KEY]|prefetch URI [--device cuda:N] [--socket PATH] [--json]
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import sys
 import time
@@ -207,6 +209,23 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if ours else 0
 
 
+def _push(args: argparse.Namespace) -> int:
+    from weightstream.save.push import push
+
+    files = [os.path.join(root, name) for root, _, names in os.walk(args.directory) for name in names]
+    bar = ProgressBar(label="push") if sys.stderr.isatty() and not args.json else None
+    start = time.perf_counter()
+    with contextlib.nullcontext() if bar is None else bar.expecting(sum(os.path.getsize(f) for f in files)):
+        result = push(args.directory, args.uri, progress=None if bar is None else bar.advance)
+    result["seconds"] = time.perf_counter() - start
+    return _report(
+        args.json,
+        result,
+        f"pushed {result['files']} files ({result['bytes_sent']} of {result['bytes']} bytes sent) to {args.uri}: "
+        f"{result['digest']}",
+    )
+
+
 def _convert(args: argparse.Namespace) -> int:
     from weightstream.errors import InvalidOptionError
     from weightstream.save.convert import LLAMA_RULES, convert_to_sharded_state, parse_rule, split_dimension
@@ -338,6 +357,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--json", action="store_true")
     convert.set_defaults(run=_convert)
+    pushing = commands.add_parser(
+        "push", help="upload a checkpoint directory to an OCI registry as a ModelPack artifact"
+    )
+    pushing.add_argument("directory")
+    pushing.add_argument("uri", help="oci://registry[:port]/repository:tag (credentials: docker login)")
+    pushing.add_argument("--json", action="store_true")
+    pushing.set_defaults(run=_push)
     add_cache_commands(commands, parse_size)
     return parser
 

@@ -148,6 +148,13 @@ class SourceError(WeightstreamError, OSError):
     """Reading from a source failed with an operating-system error."""
 
 
+class AccessDeniedError(SourceError, PermissionError):
+    """The store refused the credentials (HTTP 401 or 403). ``challenge`` holds its ``WWW-Authenticate`` header."""
+
+    status: int = 0
+    challenge: str = ""
+
+
 class SourceTimeout(SourceError, TimeoutError):
     """A request stalled past its timeout on every attempt, or the load passed its deadline."""
 

@@ -11,7 +11,7 @@ from weightstream.sources.base import Source, Store
 from weightstream.sources.local import LocalStore
 from weightstream.sources.retry import RetryPolicy
 
-REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "http://", "https://", "hf://")
+REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "oci://", "http://", "https://", "hf://")
 """URIs read over the network (an ``hf://`` id may be in the local cache: :func:`locate` says where it is)."""
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -63,11 +63,15 @@ def store_for(uri: str, storage_options: Mapping[str, Any] | None = None, policy
         from weightstream.sources.azure import AzureStore
 
         return AzureStore(storage_options, policy)
+    if uri.startswith("oci://"):
+        from weightstream.sources.oci import OciStore
+
+        return OciStore(storage_options, policy)
     if scheme[1] == "hf":
         raise UnsupportedInputError(
             f"{uri}: an hf:// URI names a model, not a store: open it with weightstream.open or load_weights"
         )
     raise UnsupportedInputError(
-        f"{uri}: {scheme[1]}:// URIs are not supported; use s3://, gs://, az://, http(s)://, hf://, a local path or "
-        "file://"
+        f"{uri}: {scheme[1]}:// URIs are not supported; use s3://, gs://, az://, oci://, http(s)://, hf://, a local "
+        "path or file://"
     )

@@ -27,7 +27,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from weightstream.errors import SourceChangedError, SourceError, SourceTimeout, WeightstreamError
+from weightstream.errors import AccessDeniedError, SourceChangedError, SourceError, SourceTimeout, WeightstreamError
 from weightstream.sources.retry import RetryPolicy, Transient
 
 ERROR_BODY_BYTES = 2048
@@ -312,7 +312,9 @@ def _refusal(response: http.client.HTTPResponse, span: str, first: int, last: in
             f"{span}: {said}: the object at the version planned is gone (deleted or replaced while loading)"
         )
     if status in (401, 403):
-        return SourceError(f"{span}: access denied ({said})")
+        denied = AccessDeniedError(f"{span}: access denied ({said})")
+        denied.status, denied.challenge = status, response.getheader("WWW-Authenticate") or ""
+        return denied
     if status in (408, 429) or status >= 500:
         return Transient(said)
     return SourceError(f"{span}: {said}: {body[:300]}")

@@ -1,0 +1,254 @@
+"""oci:// against a real registry (Debian's docker-registry, the CNCF distribution registry 2.8, started by the
+test): artifacts pushed with ``weightstream push``, read by every loader, by tag and by digest; a tag moved
+mid-load, a corrupted blob, tar layers (ModelKits), compressed layers, indexes, basic auth, faults."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import weightstream
+from tests.cache_daemon import ROOT
+from tests.conftest import assert_same, save_hf_sharded
+from tests.faultproxy import FaultProxy
+from tests.objstore import htpasswd, oci_registry
+from weightstream.bench.demo import LlamaShape, llama_state_dict
+from weightstream.errors import IntegrityError, UnsupportedInputError
+from weightstream.save.push import push
+
+pytestmark = pytest.mark.slow
+
+SHAPE = LlamaShape(hidden=128, intermediate=352, layers=2, vocab=500)
+
+
+@pytest.fixture(scope="module")
+def registry_directory(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("registry")
+
+
+@pytest.fixture(scope="module")
+def registry(registry_directory):
+    with oci_registry(registry_directory) as address:
+        yield address
+
+
+def pushed(registry: str, tmp_path: Path, name: str, seed: int = 1, shards: int = 2) -> tuple[str, dict]:
+    state = llama_state_dict(SHAPE, seed=seed)
+    uri = f"oci://{registry}/tests/{name}:v1"
+    push(save_hf_sharded(state, tmp_path / f"ckpt-{seed}", shards=shards), uri)
+    return uri, state
+
+
+def manifest_of(registry: str, repository: str, tag: str) -> tuple[dict, str]:
+    request = urllib.request.Request(
+        f"http://{registry}/v2/{repository}/manifests/{tag}",
+        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        body = answer.read()
+    return json.loads(body), "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def put_manifest(registry: str, repository: str, tag: str, manifest: dict, media_type: str) -> None:
+    body = json.dumps(manifest).encode()
+    request = urllib.request.Request(
+        f"http://{registry}/v2/{repository}/manifests/{tag}", data=body, method="PUT",
+        headers={"Content-Type": media_type},
+    )  # fmt: skip
+    urllib.request.urlopen(request, timeout=10).read()
+
+
+def put_blob(registry: str, repository: str, data: bytes) -> str:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    start = urllib.request.Request(f"http://{registry}/v2/{repository}/blobs/uploads/", data=b"", method="POST")
+    with urllib.request.urlopen(start, timeout=10) as answer:
+        location = answer.headers["Location"]
+    location = location if location.startswith("http") else f"http://{registry}{location}"
+    finish = urllib.request.Request(
+        f"{location}{'&' if '?' in location else '?'}digest={digest}", data=data, method="PUT",
+        headers={"Content-Type": "application/octet-stream"},
+    )  # fmt: skip
+    urllib.request.urlopen(finish, timeout=10).read()
+    return digest
+
+
+@pytest.mark.parametrize("format", ["auto", "safetensors", "streaming", "layered"])
+def test_an_artifact_pushed_is_read_bit_exact_by_every_loader(registry, tmp_path: Path, format, no_leaks):
+    uri, state = pushed(registry, tmp_path, f"every-loader-{format}")
+    assert_same(weightstream.load_weights(uri, format=format, chunk_bytes=65536), state)
+    manifest, digest = manifest_of(registry, f"tests/every-loader-{format}", "v1")
+    assert manifest["artifactType"] == "application/vnd.cncf.model.manifest.v1+json"
+    assert {layer["mediaType"] for layer in manifest["layers"]} == {
+        "application/vnd.cncf.model.weight.v1.raw",
+        "application/vnd.cncf.model.weight.config.v1.raw",
+    }
+    by_digest = f"oci://{registry}/tests/every-loader-{format}@{digest}"
+    assert_same(weightstream.load_weights(by_digest, format=format), state)
+
+
+def test_pushing_again_sends_no_blob_the_registry_holds(registry, tmp_path: Path):
+    state = llama_state_dict(SHAPE, seed=2)
+    local = save_hf_sharded(state, tmp_path / "ckpt", shards=2)
+    first = push(local, f"oci://{registry}/tests/again:v1")
+    second = push(local, f"oci://{registry}/tests/again:v2")
+    assert first["bytes_sent"] == first["bytes"] > 0 and second["bytes_sent"] == 0
+    assert first["digest"] != second["digest"], "the config names the version"
+
+
+def test_a_tag_moved_mid_load_still_reads_the_artifact_it_named(registry, tmp_path: Path, no_leaks):
+    uri, state = pushed(registry, tmp_path, "moved", seed=1)
+    other = save_hf_sharded(llama_state_dict(SHAPE, seed=9), tmp_path / "other", shards=2)
+    moved, once = [], threading.Lock()
+
+    def move_the_tag(nbytes: int) -> None:  # called by every reader thread: the first one pushes
+        with once:
+            if not moved:
+                moved.append(push(other, uri))
+
+    assert_same(weightstream.load_weights(uri, format="streaming", chunk_bytes=65536, progress=move_the_tag), state)
+    assert moved, "the tag moved during the load"
+    assert not weightstream.load_weights(uri)["lm_head.weight"].equal(state["lm_head.weight"]), (
+        "a new load: the new tag"
+    )
+
+
+def test_a_corrupted_blob_is_an_integrity_error_naming_blob_and_file(
+    registry, registry_directory, tmp_path: Path, no_leaks
+):
+    uri, _ = pushed(registry, tmp_path, "corrupted", shards=1)
+    manifest, _ = manifest_of(registry, "tests/corrupted", "v1")
+    weights = next(layer for layer in manifest["layers"] if layer["annotations"]["org.cncf.model.filepath"].endswith(
+        ".safetensors"))  # fmt: skip
+    hex_digest = weights["digest"].split(":", 1)[1]
+    stored = registry_directory / "data/docker/registry/v2/blobs/sha256" / hex_digest[:2] / hex_digest / "data"
+    flipped = bytearray(stored.read_bytes())
+    flipped[-1] ^= 0xFF  # the registry's own file: it serves what it stores
+    stored.write_bytes(bytes(flipped))
+    with pytest.raises(IntegrityError, match=rf"model-00001-of-00001.safetensors: blob {weights['digest']} hashes to"):
+        weightstream.load_weights(uri)
+
+
+def test_a_tar_layer_is_read_in_place(registry, tmp_path: Path, no_leaks):
+    state = llama_state_dict(SHAPE, seed=3)
+    local = Path(save_hf_sharded(state, tmp_path / "ckpt", shards=2))
+    stream = io.BytesIO()
+    with tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for path in sorted(local.iterdir()):
+            archive.add(path, arcname=f"weights/{path.name}")
+    layer = stream.getvalue()
+    config = b"{}"
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.kitops.modelkit.config.v1+json", "digest": put_blob(
+            registry, "tests/modelkit", config), "size": len(config)},
+        "layers": [{"mediaType": "application/vnd.kitops.modelkit.model.v1.tar", "digest": put_blob(
+            registry, "tests/modelkit", layer), "size": len(layer)}],
+    }  # fmt: skip
+    put_manifest(registry, "tests/modelkit", "v1", manifest, manifest["mediaType"])
+    uri = f"oci://{registry}/tests/modelkit:v1"
+    assert weightstream.open(uri + "/weights", filter=()).plan.files  # the directory inside the layer
+    assert_same(weightstream.load_weights(uri + "/weights"), state)
+
+
+def test_a_compressed_layer_is_refused_naming_its_media_type(registry, no_leaks):
+    data = b"\x1f\x8b" + bytes(30)
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.cncf.model.config.v1+json", "digest": put_blob(
+            registry, "tests/gzipped", b"{}"), "size": 2},
+        "layers": [{"mediaType": "application/vnd.cncf.model.weight.v1.tar+gzip", "digest": put_blob(
+            registry, "tests/gzipped", data), "size": len(data)}],
+    }  # fmt: skip
+    put_manifest(registry, "tests/gzipped", "v1", manifest, manifest["mediaType"])
+    with pytest.raises(UnsupportedInputError, match=r"is application/vnd.cncf.model.weight.v1.tar\+gzip: a compressed"):
+        weightstream.load_weights(f"oci://{registry}/tests/gzipped:v1")
+
+
+def test_an_index_is_resolved_to_its_manifest(registry, tmp_path: Path, no_leaks):
+    _, state = pushed(registry, tmp_path, "indexed")
+    _, digest = manifest_of(registry, "tests/indexed", "v1")
+    index = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": digest, "size": 1}],
+    }
+    put_manifest(registry, "tests/indexed", "index", index, index["mediaType"])
+    assert_same(weightstream.load_weights(f"oci://{registry}/tests/indexed:index"), state)
+
+
+def test_missing_tags_repositories_and_files_are_not_found(registry, tmp_path: Path, no_leaks):
+    uri, _ = pushed(registry, tmp_path, "present")
+    with pytest.raises(weightstream.NotFound, match=r"tests/present:nope \(manifest nope\): no such manifest"):
+        weightstream.load_weights(f"oci://{registry}/tests/present:nope")
+    with pytest.raises(weightstream.NotFound, match=r"no such manifest"):
+        weightstream.load_weights(f"oci://{registry}/tests/absent:v1")
+    with pytest.raises(weightstream.NotFound, match=r"present:v1/nothing.safetensors: no such file or directory"):
+        weightstream.load_weights(f"{uri}/nothing.safetensors")
+
+
+@pytest.mark.parametrize(
+    "uri, message",
+    [
+        ("oci://registry.io/model", r"name the artifact's version"),
+        ("oci://registry.io/Model:v1", r"'Model' is not a valid repository name"),
+        ("oci://registry.io/m@sha256:abc", r"a digest is sha256: and 64 lowercase hex digits"),
+        ("oci://registry.io/m:v1/../../etc/passwd", r"the path '../../etc/passwd' leaves the artifact"),
+    ],
+)
+def test_malformed_references_are_refused_before_any_request(uri, message):
+    with pytest.raises(weightstream.WeightstreamError, match=message):
+        weightstream.load_weights(uri)
+
+
+def test_basic_auth_from_options_or_the_docker_config(tmp_path: Path, monkeypatch, no_leaks):
+    directory = tmp_path / "private"
+    directory.mkdir()
+    with oci_registry(directory, htpasswd(directory / "htpasswd", "reader", "s3cret")) as address:
+        options = {"username": "reader", "password": "s3cret"}
+        state = llama_state_dict(SHAPE, seed=6)
+        uri = f"oci://{address}/private/model:v1"
+        push(save_hf_sharded(state, tmp_path / "ckpt", shards=1), uri, options)
+        assert_same(weightstream.load_weights(uri, storage_options=options), state)
+        with pytest.raises(weightstream.AccessDeniedError, match=r"access denied \(HTTP 401\)"):
+            weightstream.load_weights(uri, storage_options={"username": "reader", "password": "wrong"})
+        config = tmp_path / "docker"
+        config.mkdir()
+        (config / "config.json").write_text(json.dumps({"auths": {address: {"auth": "cmVhZGVyOnMzY3JldA=="}}}))
+        monkeypatch.setenv("DOCKER_CONFIG", str(config))
+        assert_same(weightstream.load_weights(uri), state)
+
+
+def test_faults_on_blob_reads_are_retried_and_resumed(registry, tmp_path: Path, no_leaks):
+    uri, state = pushed(registry, tmp_path, "faulty")
+    with FaultProxy(int(registry.split(":")[1])) as proxy:
+        through = uri.replace(registry, proxy.url.split("//")[1])
+        stream = weightstream.iter_weights(through, chunk_bytes=65536, threads=2)
+        proxy.inject(r"^GET /v2/tests/faulty/blobs/", "503", times=3)
+        proxy.inject(r"^GET /v2/tests/faulty/blobs/", "reset", times=2, after_bytes=20_000, min_range_bytes=60_000)
+        assert_same(dict(stream), state)
+
+
+def test_the_cli_pushes_and_loads(registry, tmp_path: Path):
+    local = save_hf_sharded(llama_state_dict(SHAPE, seed=7), tmp_path / "ckpt", shards=1)
+    uri = f"oci://{registry}/tests/cli:v1"
+    command = [sys.executable, "-m", "weightstream.cli"]
+    pushed_run = subprocess.run(
+        [*command, "push", local, uri, "--json"], check=False, cwd=ROOT, capture_output=True, text=True
+    )
+    assert pushed_run.returncode == 0, pushed_run.stderr
+    result = json.loads(pushed_run.stdout)
+    assert result["files"] == 2 and result["digest"].startswith("sha256:")
+    loaded = subprocess.run([*command, "load", uri, "--json"], check=False, cwd=ROOT, capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr
+    assert json.loads(loaded.stdout)["tensors"] == len(llama_state_dict(SHAPE, seed=7))
