@@ -43,6 +43,8 @@ class FaultProxy:
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.requests: list[tuple[str, str | None]] = []
+        self.heads: list[str] = []
+        """Every request's line and headers, as sent."""
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -109,8 +111,8 @@ class FaultProxy:
             line = text.split("\r\n", 1)[0]
             ranges = re.search(r"(?im)^range:\s*(.+)$", text)
             self.requests.append((line, ranges.group(1).strip() if ranges else None))
+            self.heads.append(text)
             length = re.search(r"(?im)^content-length:\s*(\d+)$", text)
-            body = await reader.readexactly(int(length.group(1))) if length else b""
             fault = self._match(line, ranges.group(1).strip() if ranges else None)
             if fault is not None and fault.mode == "503":
                 client_writer.write(SLOWDOWN)
@@ -120,8 +122,11 @@ class FaultProxy:
                 head = re.sub(rb"(?im)^range:[^\r\n]*\r\n", b"", head)
                 fault = None
             armed["fault"], armed["sent"] = fault, 0
-            upstream.write(head + body)
+            upstream.write(head)  # the head first: a client sending "Expect: 100-continue" waits for the answer
             await upstream.drain()
+            if length:
+                upstream.write(await reader.readexactly(int(length.group(1))))
+                await upstream.drain()
 
     async def _server_to_client(self, upstream, client_writer, armed) -> None:
         while True:

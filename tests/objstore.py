@@ -292,19 +292,30 @@ def tempfile_directory() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def oci_registry(directory: Path, auth: str = "") -> Iterator[str]:
-    """A CNCF distribution registry on loopback storing under ``directory`` (``auth``: extra YAML for its ``auth``
-    section); yields its address ``127.0.0.1:PORT``."""
+def oci_registry(directory: Path, auth: str = "", s3_endpoint: str | None = None) -> Iterator[str]:
+    """A CNCF distribution registry on loopback storing under ``directory`` (or, with ``s3_endpoint``, in the S3
+    bucket ``bench`` there, answering blob GETs with redirects to presigned URLs); ``auth``: extra YAML for its
+    ``auth`` section. Yields its address ``127.0.0.1:PORT``."""
     port = free_port()
     config = directory / "registry.yml"
+    storage = (
+        f"  filesystem:\n    rootdirectory: {directory / 'data'}\n"
+        if s3_endpoint is None
+        else f"  s3:\n    accesskey: {KEYS['AWS_ACCESS_KEY_ID']}\n    secretkey: {KEYS['AWS_SECRET_ACCESS_KEY']}\n"
+        f"    region: {KEYS['AWS_DEFAULT_REGION']}\n    regionendpoint: {s3_endpoint}\n    bucket: {BUCKET}\n"
+        f"    rootdirectory: /registry-{directory.name}\n    secure: false\n    v4auth: true\n"
+        "  redirect:\n    disable: false\n"
+    )
     config.write_text(
-        "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
-        f"    rootdirectory: {directory / 'data'}\n  delete:\n    enabled: true\n"
+        f"version: 0.1\nlog:\n  level: warn\nstorage:\n{storage}  delete:\n    enabled: true\n"
         f"http:\n  addr: 127.0.0.1:{port}\n{auth}"
     )
     log = directory / "registry.log"
+    environment = {name: value for name, value in os.environ.items() if name != "AWS_CA_BUNDLE"}  # else it panics
     with open(log, "wb") as output:
-        process = subprocess.Popen([registry_binary(), "serve", str(config)], stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [registry_binary(), "serve", str(config)], stdout=output, stderr=subprocess.STDOUT, env=environment
+        )
     try:
         _wait_for(f"http://127.0.0.1:{port}/v2/", process, log)
         yield f"127.0.0.1:{port}"

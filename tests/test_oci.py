@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -252,3 +253,82 @@ def test_the_cli_pushes_and_loads(registry, tmp_path: Path):
     loaded = subprocess.run([*command, "load", uri, "--json"], check=False, cwd=ROOT, capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
     assert json.loads(loaded.stdout)["tensors"] == len(llama_state_dict(SHAPE, seed=7))
+
+
+@pytest.fixture(scope="module")
+def token_registry(tmp_path_factory):
+    """A registry that takes bearer tokens from the tests' own token server: (address, token server)."""
+    from tests.registry_tokens import TokenServer
+
+    directory = tmp_path_factory.mktemp("token-registry")
+    with TokenServer(directory) as tokens, oci_registry(directory, tokens.auth_yaml) as address:
+        yield address, tokens
+
+
+def test_the_bearer_token_flow_with_credentials(token_registry, tmp_path: Path, no_leaks):
+    address, tokens = token_registry
+    tokens.users = {"puller": "pa55"}
+    options = {"username": "puller", "password": "pa55"}
+    try:
+        uri = f"oci://{address}/tokens/model:v1"
+        state = llama_state_dict(SHAPE, seed=8)
+        push(save_hf_sharded(state, tmp_path / "ckpt", shards=2), uri, options)
+        before = tokens.issued
+        assert_same(weightstream.load_weights(uri, storage_options=options), state)
+        assert tokens.issued - before == 1, "one token serves the whole load"
+        with pytest.raises(weightstream.AccessDeniedError, match=r"the token service at .* answered HTTP 401"):
+            weightstream.load_weights(uri, storage_options={"username": "puller", "password": "wrong"})
+    finally:
+        tokens.users = {}
+
+
+def test_a_token_that_expires_mid_load_is_renewed_and_the_range_retried(token_registry, tmp_path: Path, no_leaks):
+    address, tokens = token_registry
+    uri = f"oci://{address}/tokens/expiring:v1"
+    state = llama_state_dict(SHAPE, seed=10)
+    push(save_hf_sharded(state, tmp_path / "ckpt", shards=2), uri)
+    tokens.valid_for_s = 4.0  # the first token of the load lives 4 s, leeway included
+    slept = []
+
+    def outlive_the_token(nbytes: int) -> None:
+        if not slept:
+            slept.append(nbytes)
+            tokens.valid_for_s = 300.0
+            time.sleep(5)
+
+    try:
+        before = tokens.issued
+        loaded = weightstream.load_weights(
+            uri, format="streaming", chunk_bytes=65536, threads=1, progress=outlive_the_token
+        )
+        assert_same(loaded, state)
+        assert tokens.issued - before == 2, "the expired token was replaced once"
+    finally:
+        tokens.valid_for_s = 300.0
+
+
+@pytest.mark.timeout(120)
+def test_blobs_redirected_to_object_storage_are_read_there_without_the_registrys_credentials(
+    s3_endpoint, tmp_path: Path, no_leaks
+):
+    from weightstream.sources.oci import OciStore
+
+    directory = tmp_path / "s3-registry"
+    directory.mkdir()
+    auth = htpasswd(directory / "htpasswd", "reader", "s3cret")
+    with oci_registry(directory, auth, s3_endpoint) as address, FaultProxy(int(address.split(":")[1])) as watched:
+        options = {"username": "reader", "password": "s3cret"}
+        state = llama_state_dict(SHAPE, seed=11)
+        push(save_hf_sharded(state, tmp_path / "ckpt", shards=2), f"oci://{address}/redirected/model:v1", options)
+        uri = f"oci://{watched.url.split('//')[1]}/redirected/model:v1"
+        assert_same(weightstream.load_weights(uri, storage_options=options, chunk_bytes=65536), state)
+        blob_gets = [ranges for line, ranges in watched.requests if line.startswith("GET /v2/redirected/model/blobs/")]
+        assert blob_gets and set(blob_gets) == {"bytes=0-0"}, "the registry only redirected; the bytes came from S3"
+        store = OciStore(options)
+        try:
+            source = store.open(uri + "/model-00001-of-00002.safetensors")
+            target = store.range_target(source)
+            assert target.url.startswith(s3_endpoint) and "X-Amz-Signature=" in target.url
+            assert "Authorization" not in target.headers
+        finally:
+            store.close()
