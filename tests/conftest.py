@@ -235,6 +235,15 @@ def azure_endpoint(tmp_path_factory):
         yield endpoint
 
 
+@pytest.fixture(scope="session")
+def oci_address(tmp_path_factory) -> str:
+    """A CNCF distribution registry (Debian's docker-registry) for the session: its ``127.0.0.1:PORT``."""
+    from tests.objstore import oci_registry
+
+    with oci_registry(tmp_path_factory.mktemp("registry")) as address:
+        yield address
+
+
 async def _fill_executor(loop) -> None:
     import asyncio
 

@@ -111,14 +111,21 @@ def test_to_gpus_over_nccl(tmp_path: Path, world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remote", ["s3", "gs", "http"])
+@pytest.mark.parametrize("remote", ["s3", "gs", "http", "az", "oci"])
 def test_a_remote_checkpoint_is_read_once_and_shared(remote, request, tmp_path: Path):
     from tests.test_objectstore import upload
+    from weightstream.save.push import push
 
     local, total = checkpoint(tmp_path)
     key = f"distributed-{tmp_path.name}"
-    request.getfixturevalue({"s3": "s3_endpoint", "gs": "gcs_endpoint", "http": "http_base"}[remote])
-    uri = upload("s3" if remote == "http" else remote, Path(local), key)
+    fixtures = {"s3": "s3_endpoint", "gs": "gcs_endpoint", "http": "http_base", "az": "azure_endpoint"}
+    fixtures["oci"] = "oci_address"
+    server = request.getfixturevalue(fixtures[remote])
+    if remote == "oci":
+        uri = f"oci://{server}/distributed/{key.lower().replace('_', '-')}:v1"
+        push(local, uri)
+    else:
+        uri = upload("s3" if remote == "http" else remote, Path(local), key)
     if remote == "http":
         uri = f"{request.getfixturevalue('http_base')}/{key}"
     results = run_ranks(tmp_path, 2, uri)

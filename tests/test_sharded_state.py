@@ -655,3 +655,13 @@ def test_a_load_during_a_save_of_its_rank_never_mixes_two_saves(tmp_path: Path, 
         stop.set()
         saver.join()
     assert saves[0] > 5 and outcomes["whole"] > 0, (saves, outcomes)
+
+
+@pytest.mark.slow
+def test_a_rank_of_a_state_pushed_to_an_oci_registry(oci_address, tmp_path: Path, no_leaks):
+    from weightstream.save.push import push
+
+    states = save_world(tmp_path / "local", 2, 64 << 10)
+    uri = f"oci://{oci_address}/sharded/state:v1"
+    push(str(tmp_path / "local"), uri)
+    assert_same(weightstream.load_weights(uri, format="sharded-state", rank=1, world_size=2, verify=True), states[1])
