@@ -292,10 +292,10 @@ def tempfile_directory() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def oci_registry(directory: Path, auth: str = "", s3_endpoint: str | None = None) -> Iterator[str]:
+def oci_registry(directory: Path, extra: str = "", s3_endpoint: str | None = None) -> Iterator[str]:
     """A CNCF distribution registry on loopback storing under ``directory`` (or, with ``s3_endpoint``, in the S3
-    bucket ``bench`` there, answering blob GETs with redirects to presigned URLs); ``auth``: extra YAML for its
-    ``auth`` section. Yields its address ``127.0.0.1:PORT``."""
+    bucket ``bench`` there, answering blob GETs with redirects to presigned URLs); ``extra``: more YAML for its
+    configuration (an ``auth`` or ``middleware`` section). Yields its address ``127.0.0.1:PORT``."""
     port = free_port()
     config = directory / "registry.yml"
     storage = (
@@ -308,7 +308,7 @@ def oci_registry(directory: Path, auth: str = "", s3_endpoint: str | None = None
     )
     config.write_text(
         f"version: 0.1\nlog:\n  level: warn\nstorage:\n{storage}  delete:\n    enabled: true\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n{auth}"
+        f"http:\n  addr: 127.0.0.1:{port}\n{extra}"
     )
     log = directory / "registry.log"
     environment = {name: value for name, value in os.environ.items() if name != "AWS_CA_BUNDLE"}  # else it panics

@@ -29,6 +29,8 @@ class Misbehaviour:
     """Serve every file as this many bytes: its own, then zeros (a server claiming a huge file)."""
     redirect_to: str | None = None
     """Answer every request with ``302 Location: <redirect_to><path>`` (a Hub sending its clients to a CDN)."""
+    forbid_next: int = 0
+    """Answer this many of the next GETs ``403`` (an expired presigned URL)."""
 
 
 class QuietHandler(http.server.BaseHTTPRequestHandler):
@@ -84,6 +86,12 @@ class RangeServer(LoopbackServer):
                 if outer.misbehave.redirect_to is not None:
                     self.send_response(302)
                     self.send_header("Location", outer.misbehave.redirect_to + self.path)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if body and outer.misbehave.forbid_next > 0:
+                    outer.misbehave.forbid_next -= 1
+                    self.send_response(403)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return

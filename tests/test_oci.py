@@ -332,3 +332,24 @@ def test_blobs_redirected_to_object_storage_are_read_there_without_the_registrys
             assert "Authorization" not in target.headers
         finally:
             store.close()
+
+
+def test_an_expired_redirect_is_asked_for_again_and_the_range_resumes(tmp_path: Path, no_leaks):
+    from tests.rangeserver import RangeServer
+
+    directory = tmp_path / "redirecting-registry"
+    directory.mkdir()
+    # The registry's redirect middleware sends blob reads to a server of the test's own over its storage: the
+    # stand-in for presigned object-storage URLs, which can be made to answer 403 as an expired one does.
+    with RangeServer(directory / "data") as storage:
+        middleware = f"middleware:\n  storage:\n    - name: redirect\n      options:\n        baseurl: {storage.url}/\n"
+        with oci_registry(directory, middleware) as address:
+            state = llama_state_dict(SHAPE, seed=13)
+            uri = f"oci://{address}/expiring/model:v1"
+            push(save_hf_sharded(state, tmp_path / "ckpt", shards=1), uri)
+            stream = weightstream.iter_weights(uri, chunk_bytes=65536, threads=1)
+            before = len(storage.requests)
+            storage.misbehave.forbid_next = 1
+            assert_same(dict(stream), state)
+    blob_reads = [line for line in storage.requests[before:] if line.startswith("GET /docker/registry/v2/blobs/")]
+    assert len(blob_reads) > 3 and storage.misbehave.forbid_next == 0, "the expired URL was met, then replaced"

@@ -39,6 +39,7 @@ from weightstream.errors import (
     IntegrityError,
     InvalidOptionError,
     NotFound,
+    SourceChangedError,
     SourceError,
     logger,
 )
@@ -126,7 +127,9 @@ class OciStore(RemoteStore):
     def open_pinned(self, uri: str, size: int, version: str, *, direct: bool | str = False) -> OciSource:
         source = self.open(uri)
         if (source.size, source.version) != (size, version):
-            raise SourceError(f"{uri}: is {source.version} ({source.size} bytes) now, {version} ({size}) when planned")
+            raise SourceChangedError(
+                f"{uri}: is {source.version} ({source.size} bytes) now, {version} ({size} bytes) when it was planned"
+            )
         return source
 
     def close(self) -> None:
