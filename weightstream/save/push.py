@@ -18,6 +18,7 @@ import json
 import os
 import urllib.parse
 from collections.abc import Callable
+from typing import Any, BinaryIO
 
 from weightstream.errors import AccessDeniedError, SaveError, SourceError
 from weightstream.formats import oci
@@ -30,6 +31,8 @@ ARTIFACT_TYPE = "application/vnd.cncf.model.manifest.v1+json"
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 SEND_BLOCK_BYTES = 1 << 20
+Body = Any
+"""A request body: bytes, a file, or a file that reports its reads (http.client streams the last two)."""
 
 
 def push(
@@ -145,7 +148,7 @@ class _Pusher:
         answer, _ = self._request("HEAD", f"{self.base}/blobs/{digest}", {}, None)
         return answer.status == 200
 
-    def _upload(self, digest: str, size: int, body: object, progress: Callable[[int], None] | None) -> None:
+    def _upload(self, digest: str, size: int, body: Body, progress: Callable[[int], None] | None) -> None:
         answer, text = self._request("POST", f"{self.base}/blobs/uploads/", {"Content-Length": "0"}, b"")
         if answer.status != 202 or not answer.getheader("Location"):
             raise SaveError(f"{self.reference.artifact}: the registry refused an upload: HTTP {answer.status} {text}")
@@ -159,7 +162,9 @@ class _Pusher:
                 f"{text}"
             )
 
-    def _request(self, method: str, url: str, headers: dict[str, str], body: object) -> tuple[object, str]:
+    def _request(
+        self, method: str, url: str, headers: dict[str, str], body: Body
+    ) -> tuple[http.client.HTTPResponse, str]:
         """One request, and once more after answering a 401 challenge (never for a streamed body: uploads start
         with a POST, which meets the challenge first)."""
         for attempt in range(2):
@@ -176,16 +181,16 @@ class _Pusher:
 class _Counted:
     """A file body that reports the bytes read from it (http.client reads it in blocks)."""
 
-    def __init__(self, body: object, progress: Callable[[int], None]) -> None:
+    def __init__(self, body: BinaryIO, progress: Callable[[int], None]) -> None:
         self._body, self._progress = body, progress
 
     def read(self, nbytes: int = -1) -> bytes:
-        data = self._body.read(nbytes)  # type: ignore[attr-defined]
+        data = self._body.read(nbytes)
         self._progress(len(data))
         return data
 
 
-def _send(method: str, url: str, headers: dict[str, str], body: object) -> tuple[http.client.HTTPResponse, str]:
+def _send(method: str, url: str, headers: dict[str, str], body: Body) -> tuple[http.client.HTTPResponse, str]:
     parts = urllib.parse.urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.netloc, timeout=300, blocksize=SEND_BLOCK_BYTES)
