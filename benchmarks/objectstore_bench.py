@@ -114,18 +114,23 @@ def main() -> int:
         try:
             upload(endpoint, local, "llama")
             env = {**os.environ, **KEYS, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"}
-            command = ["weightstream", "bench", f"s3://{BUCKET}/llama/", "--rounds", str(args.rounds)]
-            if args.methods:
-                command += ["--methods", args.methods]
-            if args.json:
-                with open(args.json, "w") as output:
-                    return subprocess.run([*command, "--json"], env=env, stdout=output, check=False).returncode
-            return subprocess.run(command, env=env, check=False).returncode
+            return run_bench(f"s3://{BUCKET}/llama/", env, args)
         finally:
             process.terminate()
             process.wait(30)
             for socket_file in set(Path("/tmp").glob("seaweedfs-*.sock")) - sockets_before:
                 socket_file.unlink(missing_ok=True)  # weed puts its unix sockets in /tmp whatever TMPDIR says
+
+
+def run_bench(uri: str, env: dict[str, str], args: argparse.Namespace) -> int:
+    """``weightstream bench URI`` with the server's settings in ``env``; its exit status."""
+    command = ["weightstream", "bench", uri, "--rounds", str(args.rounds)]
+    if args.methods:
+        command += ["--methods", args.methods]
+    if args.json:
+        with open(args.json, "w") as output:
+            return subprocess.run([*command, "--json"], env=env, stdout=output, check=False).returncode
+    return subprocess.run(command, env=env, check=False).returncode
 
 
 def bench_az_or_oci(args: argparse.Namespace, local: str) -> int:
@@ -156,13 +161,7 @@ def bench_az_or_oci(args: argparse.Namespace, local: str) -> int:
 
                 uri = f"oci://{address}/{BUCKET}/llama:v1"
                 push(local, uri)
-            command = ["weightstream", "bench", uri, "--rounds", str(args.rounds)]
-            if args.methods:
-                command += ["--methods", args.methods]
-            if args.json:
-                with open(args.json, "w") as output:
-                    return subprocess.run([*command, "--json"], env=env, stdout=output, check=False).returncode
-            return subprocess.run(command, env=env, check=False).returncode
+            return run_bench(uri, env, args)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,13 @@ import datetime
 import http.server
 import json
 import secrets
-import threading
 import time
 import urllib.parse
 from pathlib import Path
 
 from typing_extensions import Self
+
+from tests.rangeserver import LoopbackServer, QuietHandler
 
 SERVICE = "weightstream-tests"
 ISSUER = "weightstream-test-issuer"
@@ -52,12 +53,11 @@ class TokenServer:
         self.issued = 0
         self.valid_for_s = 300.0
         self.users: dict[str, str] = {}
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._thread = threading.Thread(target=self._server.serve_forever, name="token-server")
+        self._server = LoopbackServer(self._handler(), "127.0.0.1", "token-server")
 
     @property
     def realm(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/token"
+        return f"{self._server.url}/token"
 
     @property
     def auth_yaml(self) -> str:
@@ -67,13 +67,11 @@ class TokenServer:
         )
 
     def __enter__(self) -> Self:
-        self._thread.start()
+        self._server.__enter__()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        self._server.__exit__(*exc_info)
 
     def token(self, scope: str) -> str:
         import jwt
@@ -96,7 +94,7 @@ class TokenServer:
     def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
         server = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
                 if server.users:
@@ -116,8 +114,5 @@ class TokenServer:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                """Quiet."""
 
         return Handler

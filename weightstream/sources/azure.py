@@ -21,13 +21,14 @@ import os
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from weightstream.errors import InvalidOptionError, NotFound, SourceError
 from weightstream.sources.backends import require
 from weightstream.sources.http_range import RangeTarget
-from weightstream.sources.remote import RangeSource, RemoteStore
+from weightstream.sources.listed import ListedStore
+from weightstream.sources.remote import RangeSource, known_options
 from weightstream.sources.retry import RetryPolicy, Transient
 
 STORAGE_OPTIONS = ("account_name", "account_key", "sas_token", "connection_string", "anon", "account_host")
@@ -121,7 +122,7 @@ class AzureAccount:
         return options
 
 
-class AzureStore(RemoteStore):
+class AzureStore(ListedStore):
     """Lists and opens blobs under ``az://container/prefix`` (or ``abfs://``).
 
     Example:
@@ -130,58 +131,24 @@ class AzureStore(RemoteStore):
         4096
     """
 
+    version_key = "etag"
+    noun = "blob"
+    fresh_listing: ClassVar[dict[str, Any]] = {"invalidate_cache": True}
+
     def __init__(self, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> None:
         require("az", "fsspec", "adlfs", "azure-storage-blob")
         import fsspec
 
-        options = dict(storage_options or {})
-        unknown = sorted(set(options) - set(STORAGE_OPTIONS))
-        if unknown:
-            raise InvalidOptionError(
-                f"storage_options for az:// take {', '.join(STORAGE_OPTIONS)}; got {', '.join(unknown)}"
-            )
+        options = known_options("az", storage_options, STORAGE_OPTIONS)
         self.account = AzureAccount.from_options(options)
         # A filesystem of our own per store (not fsspec's shared instance), so that closing the store closes
         # its connections: nothing of a load outlives it.
         self.fs = fsspec.filesystem("az", **self.account.filesystem_options(), skip_instance_cache=True)
         super().__init__(policy)
-        self._listed: dict[str, dict] = {}
-        """URI -> its entry in a listing this store made (a load's snapshot; reads stay pinned to its ETags)."""
         self._signatures: dict[str, tuple[str, float]] = {}
         """Blob path -> the SAS made for it from the account key, and when."""
         self._signing = threading.Lock()
         self._closed = False
-
-    def is_dir(self, uri: str) -> bool:
-        listed = self._listed.get(uri.rstrip("/"))
-        if listed is not None:
-            return listed.get("type") == "directory"
-        return self._ask(uri, self.fs._isdir, self._path(uri))
-
-    def exists(self, uri: str) -> bool:
-        return uri.rstrip("/") in self._listed or self._ask(uri, self.fs._exists, self._path(uri))
-
-    def list_names(self, uri: str) -> list[str]:
-        """The entries of prefix ``uri``; what the listing says of each (type, size, ETag) answers later
-        questions about them in this store without another request."""
-        entries = self._ask(uri, self.fs._ls, self._path(uri), detail=True, invalidate_cache=True)
-        names = []
-        for entry in entries:
-            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            self._listed[self.join(uri, name)] = entry
-            names.append(name)
-        return sorted(names)
-
-    def open(self, uri: str, *, direct: bool | str = False) -> RangeSource:
-        """Open ``uri`` at its current ETag (``direct`` has no meaning for blobs and is ignored)."""
-        info = self._listed.get(uri.rstrip("/"))
-        if info is None or not info.get("etag"):
-            info = self._ask(uri, self.fs._info, self._path(uri), refresh=True)
-        if info.get("type") == "directory":
-            raise NotFound(f"{uri}: is a prefix, not a blob")
-        if not info.get("etag"):
-            raise SourceError(f"{uri}: the store gave no ETag, so reads cannot be pinned to one version")
-        return RangeSource(self, uri, int(info["size"]), str(info["etag"]))
 
     def range_target(self, source: RangeSource) -> RangeTarget:
         """The blob's URL with its SAS; ``If-Match`` its pinned ETag, and answers must name it."""
@@ -231,12 +198,15 @@ class AzureStore(RemoteStore):
         """``container/blob`` of an ``az://`` or ``abfs://`` URI."""
         return uri.split("://", 1)[1]
 
-    def _ask(self, uri: str, coroutine: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """One of adlfs's coroutines, run on its loop, each attempt bounded by the stall timeout and retried as
-        :func:`classify` says."""
+    def _metadata(self, uri: str, call: str, **options: Any) -> Any:
+        """adlfs's coroutine of ``call``, run on its loop, each attempt bounded by the stall timeout and retried as
+        :func:`classify` says (adlfs's synchronous methods take no timeout)."""
         from fsspec.asyn import sync
 
-        return self._call(uri, lambda: sync(self.fs.loop, coroutine, *args, timeout=self.policy.timeout(), **kwargs))
+        coroutine = getattr(self.fs, f"_{call}")
+        return self._call(
+            uri, lambda: sync(self.fs.loop, coroutine, self._path(uri), timeout=self.policy.timeout(), **options)
+        )
 
     def _classify(self, uri: str, error: Exception) -> Exception:
         return classify(uri, error, self.policy.timeout())

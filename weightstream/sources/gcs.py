@@ -18,7 +18,8 @@ from typing import Any
 from weightstream.errors import NotFound, SourceError
 from weightstream.sources.backends import require
 from weightstream.sources.http_range import RangeTarget
-from weightstream.sources.remote import RangeSource, RemoteStore
+from weightstream.sources.listed import ListedStore
+from weightstream.sources.remote import RangeSource
 from weightstream.sources.retry import RetryPolicy, Transient
 
 VERSION_KEY = "generation"
@@ -27,7 +28,7 @@ GENERATION_HEADER = "x-goog-generation"
 """The header of a download answer that names the generation it holds."""
 
 
-class GcsStore(RemoteStore):
+class GcsStore(ListedStore):
     """Lists and opens objects under ``gs://bucket/prefix``.
 
     Example:
@@ -48,39 +49,6 @@ class GcsStore(RemoteStore):
             "gcs", **{"version_aware": True, **(storage_options or {}), "skip_instance_cache": True}
         )
         super().__init__(policy)
-        self._listed: dict[str, dict] = {}
-        """URI -> its entry in a listing this store made (a load's snapshot; reads stay pinned to its generations)."""
-
-    def is_dir(self, uri: str) -> bool:
-        listed = self._listed.get(uri.rstrip("/"))
-        if listed is not None:
-            return listed.get("type") == "directory"
-        return self._call(uri, self.fs.isdir, self._key(uri))
-
-    def exists(self, uri: str) -> bool:
-        return uri.rstrip("/") in self._listed or self._call(uri, self.fs.exists, self._key(uri))
-
-    def list_names(self, uri: str) -> list[str]:
-        """The entries of prefix ``uri``; what the listing says of each (type, size, generation) answers
-        later questions about them in this store without another request."""
-        entries = self._call(uri, self.fs.ls, self._key(uri), detail=True, refresh=True)
-        names = []
-        for entry in entries:
-            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            self._listed[self.join(uri, name)] = entry
-            names.append(name)
-        return sorted(names)
-
-    def open(self, uri: str, *, direct: bool | str = False) -> RangeSource:
-        """Open ``uri`` at its current generation (``direct`` has no meaning for objects and is ignored)."""
-        info = self._listed.get(uri.rstrip("/"))
-        if info is None or not info.get(VERSION_KEY):
-            info = self._call(uri, self.fs.info, self._key(uri), refresh=True)
-        if info.get("type") == "directory":
-            raise NotFound(f"{uri}: is a prefix, not an object")
-        if not info.get(VERSION_KEY):
-            raise SourceError(f"{uri}: the store gave no {VERSION_KEY}, so reads cannot be pinned to one version")
-        return RangeSource(self, uri, int(info["size"]), str(info[VERSION_KEY]))
 
     def range_target(self, source: RangeSource) -> RangeTarget:
         """The download URL of the pinned generation; its answers must name that generation."""
@@ -96,8 +64,13 @@ class GcsStore(RemoteStore):
         if session is not None and not session.closed:
             sync(self.fs.loop, session.close)
 
+    version_key = VERSION_KEY
+
     def _key(self, uri: str) -> str:
         return uri.split("://", 1)[1]
+
+    def _metadata(self, uri: str, call: str, **options: Any) -> Any:
+        return self._call(uri, getattr(self.fs, call), self._key(uri), **options)
 
     def _attempt_options(self) -> dict[str, Any]:
         """Each attempt bounded by the stall timeout (fsspec's ``sync()`` takes ``timeout``)."""

@@ -37,7 +37,6 @@ from weightstream.errors import (
     AccessDeniedError,
     FormatError,
     IntegrityError,
-    InvalidOptionError,
     NotFound,
     SourceChangedError,
     SourceError,
@@ -45,7 +44,7 @@ from weightstream.errors import (
 )
 from weightstream.formats import oci
 from weightstream.sources.http_range import RangeTarget
-from weightstream.sources.remote import RemoteStore
+from weightstream.sources.remote import RemoteStore, known_options
 from weightstream.sources.retry import RetryPolicy
 
 log = logger(__name__)
@@ -82,12 +81,7 @@ class OciStore(RemoteStore):
     """
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> None:
-        options = dict(storage_options or {})
-        unknown = sorted(set(options) - set(STORAGE_OPTIONS))
-        if unknown:
-            raise InvalidOptionError(
-                f"storage_options for oci:// take {', '.join(STORAGE_OPTIONS)}; got {', '.join(unknown)}"
-            )
+        options = known_options("oci", storage_options, STORAGE_OPTIONS)
         super().__init__(policy)
         self._options = options
         self._artifacts: dict[str, Artifact] = {}

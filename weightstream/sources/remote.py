@@ -8,10 +8,10 @@ whole object where ``206`` was due, is an error, not data).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from weightstream.errors import SourceError
+from weightstream.errors import InvalidOptionError, SourceError
 from weightstream.sources.http_range import RangeClient, RangeTarget
 from weightstream.sources.retry import RetryPolicy
 
@@ -109,3 +109,22 @@ class RemoteStore:
     def _attempt_options(self) -> dict[str, Any]:
         """Keyword arguments each attempt of a metadata call adds (none here)."""
         return {}
+
+
+def known_options(scheme: str, storage_options: Mapping[str, Any] | None, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """``storage_options`` as a dict, once every name in it is one ``scheme``'s store takes.
+
+    Raises:
+        InvalidOptionError: a name it does not take.
+
+    Example:
+        >>> known_options("oci", {"endpoint_url": "x"}, ("username", "password"))
+        Traceback (most recent call last):
+        ...
+        weightstream.errors.InvalidOptionError: storage_options for oci:// take username, password; got endpoint_url
+    """
+    options = dict(storage_options or {})
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise InvalidOptionError(f"storage_options for {scheme}:// take {', '.join(allowed)}; got {', '.join(unknown)}")
+    return options

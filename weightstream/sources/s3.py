@@ -21,7 +21,7 @@ from typing import Any
 from weightstream.errors import InvalidOptionError, NotFound, SourceError
 from weightstream.sources.backends import require
 from weightstream.sources.http_range import RangeTarget
-from weightstream.sources.remote import RangeSource, RemoteStore
+from weightstream.sources.remote import RangeSource, RemoteStore, known_options
 from weightstream.sources.retry import RetryPolicy, Transient
 
 STORAGE_OPTIONS = (
@@ -70,12 +70,7 @@ class S3Store(RemoteStore):
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None, policy: RetryPolicy | None = None) -> None:
         require("s3", "botocore")
-        options = dict(storage_options or {})
-        unknown = sorted(set(options) - set(STORAGE_OPTIONS))
-        if unknown:
-            raise InvalidOptionError(
-                f"storage_options for s3:// take {', '.join(STORAGE_OPTIONS)}; got {', '.join(unknown)}"
-            )
+        options = known_options("s3", storage_options, STORAGE_OPTIONS)
         super().__init__(policy)
         self.client = _client(options, self.policy)
         self._presigned: dict[str, tuple[str, float]] = {}
