@@ -30,6 +30,27 @@ BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
 """PyPI's builds of these break ``import transformers`` beside the CPU torch (../shared/engines.md)."""
 
 
+ENGINE_TIMEOUT = 600
+"""Seconds an engine's process may run in a test."""
+
+
+def run_in_engine(python: str, module: str, argument: str, environment: dict[str, str] | None = None) -> str:
+    """``python -m module argument`` in an engine's interpreter, from the repository root: the last line it
+    printed, once it exited 0 (else the test fails with the end of its stderr)."""
+    result = subprocess.run(
+        [python, "-m", module, argument],
+        check=False,
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
 CACHE = Path(os.environ.get("WEIGHTSTREAM_ENGINE_CACHE", Path.home() / ".cache" / "weightstream" / "engines"))
 PY = f"py{sys.version_info.major}{sys.version_info.minor}"
 

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.cache_daemon import Daemon, places, remove
 
-ROOT = Path(__file__).parent.parent
-ENGINE_TIMEOUT = 600
 FORMATS = [
     "weightstream",
     "weightstream-distributed",
@@ -43,7 +40,7 @@ def converted(model: Path, directory: Path) -> Path:
 @pytest.fixture(scope="module")
 def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
     """Every case in one SGLang process: each case's result, and the paths used."""
-    from tests.engine_envs import sglang_environment
+    from tests.engine_envs import run_in_engine, sglang_environment
     from tests.engine_model import altered, variant, without_head, without_v_proj
     from tests.hub import cache_model
     from tests.objstore import free_port
@@ -52,13 +49,7 @@ def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
     python, environment = sglang_environment()
     work = tmp_path_factory.mktemp("sglang")
     model = work / "tiny"
-    subprocess.run(
-        [python, "-m", "tests.engine_model", str(model)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=ENGINE_TIMEOUT,
-    )
+    run_in_engine(python, "tests.engine_model", str(model))
     cache_model(work / "hf-cache", "org/tiny", model)
     environment = {**environment, "HF_HUB_CACHE": str(work / "hf-cache"), "HF_HUB_OFFLINE": "1"}
     paths = {
@@ -144,19 +135,10 @@ def sglang(s3_endpoint, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
     }
     try:
         with Daemon(segments, sock):
-            result = subprocess.run(
-                [python, "-m", "tests.sglang_check", json.dumps(request)],
-                check=False,
-                cwd=ROOT,
-                env=environment,
-                capture_output=True,
-                text=True,
-                timeout=ENGINE_TIMEOUT,
-            )
+            answer = run_in_engine(python, "tests.sglang_check", json.dumps(request), environment)
     finally:
         remove(segments, sock)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1]), paths
+    return json.loads(answer), paths
 
 
 @pytest.mark.slow

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from tests.cache_daemon import Daemon, places, remove, stats
+from tests.engine_envs import ENGINE_TIMEOUT, run_in_engine
 
 ROOT = Path(__file__).parent.parent
-ENGINE_TIMEOUT = 600
 
 
 @pytest.fixture(scope="module")
@@ -30,29 +30,13 @@ def vllm(tmp_path_factory) -> tuple[str, Path]:
 
     python = vllm_python()
     model = tmp_path_factory.mktemp("vllm") / "tiny"
-    subprocess.run(
-        [python, "-m", "tests.engine_model", str(model)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=ENGINE_TIMEOUT,
-    )
+    run_in_engine(python, "tests.engine_model", str(model))
     return python, model
 
 
 def generate(python: str, cases: list[dict], environment: dict[str, str] | None = None) -> list[dict]:
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(environment or {})}
-    result = subprocess.run(
-        [python, "-m", "tests.vllm_generate", json.dumps(cases)],
-        check=False,
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=ENGINE_TIMEOUT,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(run_in_engine(python, "tests.vllm_generate", json.dumps(cases), environment))
 
 
 def converted(model: Path, directory: Path, tp: int) -> Path:
