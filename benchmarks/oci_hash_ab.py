@@ -17,9 +17,9 @@ sys.path.insert(0, str(ROOT))
 
 LOAD = """
 import sys, time
-import weightstream, weightstream.sources.oci as oci
+import weightstream, weightstream.sources.blob_hash as blob_hash
 if sys.argv[2] == "off":
-    oci.BlobHash.feed = lambda self, at, piece: None
+    blob_hash.BlobHash.feed = lambda self, at, piece: None
 started = time.perf_counter()
 weights = weightstream.load_weights(sys.argv[1])
 total = sum(t.numel() * t.element_size() for t in weights.values())

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightstream.errors import IntegrityError
-from weightstream.sources import oci
-from weightstream.sources.oci import BlobHash
+from weightstream.sources import blob_hash
+from weightstream.sources.blob_hash import BlobHash
 
 
 def pieces(data: bytes, cuts: list[int]) -> list[tuple[int, bytes]]:
@@ -48,7 +48,7 @@ def test_a_corrupted_piece_is_an_integrity_error_naming_the_blob():
 
 
 def test_a_piece_after_a_gap_waits_then_is_set_aside_and_the_gap_is_reported(monkeypatch):
-    monkeypatch.setattr(oci, "WAIT_FOR_TURN_S", 0.05)
+    monkeypatch.setattr(blob_hash, "WAIT_FOR_TURN_S", 0.05)
     data = bytes(range(256)) * 40
     state = BlobHash("sha256:" + hashlib.sha256(data).hexdigest(), len(data), "blob")
     state.feed(0, memoryview(data[:1000]))

@@ -20,9 +20,10 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from weightstream.errors import AccessDeniedError, SaveError, SourceError
+from weightstream.errors import SaveError, SourceError
 from weightstream.formats import oci
-from weightstream.sources.oci import OciStore, RegistryAuth, docker_credentials
+from weightstream.sources.oci import OciStore
+from weightstream.sources.registry_auth import RegistryAuth
 
 WEIGHT = "application/vnd.cncf.model.weight.v1.raw"
 WEIGHT_CONFIG = "application/vnd.cncf.model.weight.config.v1.raw"
@@ -64,11 +65,7 @@ def push(
         raise SaveError(f"{directory}: no files to push")
     store = OciStore(storage_options)
     try:
-        options = storage_options or {}
-        username, password = options.get("username"), options.get("password")
-        if username is None:
-            username, password = docker_credentials(reference.registry)
-        pusher = _Pusher(store, reference, RegistryAuth(reference, username, password, "pull,push"))  # type: ignore[arg-type]
+        pusher = _Pusher(store, reference, RegistryAuth.of(reference, storage_options or {}, "pull,push"))
         layers, sent = [], 0
         for path in paths:
             full = os.path.join(directory, path)
@@ -167,15 +164,12 @@ class _Pusher:
     ) -> tuple[http.client.HTTPResponse, str]:
         """One request, and once more after answering a 401 challenge (never for a streamed body: uploads start
         with a POST, which meets the challenge first)."""
-        for attempt in range(2):
-            answer, text = _send(method, url, {**headers, **self.auth.headers()}, body)
-            if answer.status == 401 and attempt == 0 and not hasattr(body, "read"):
-                self.auth.answer(answer.getheader("WWW-Authenticate") or "", self.store, f"{url}: HTTP 401")
-                continue
-            if answer.status in (401, 403):
-                raise AccessDeniedError(f"{self.reference.artifact}: access denied (HTTP {answer.status}) for {url}")
-            return answer, text
-        raise AccessDeniedError(f"{self.reference.artifact}: access denied (HTTP 401) for {url}")
+        return self.auth.send(
+            lambda sent: _send(method, url, {**headers, **sent}, body),
+            self.store.fetch,
+            url,
+            repeatable=not hasattr(body, "read"),
+        )
 
 
 class _Counted:

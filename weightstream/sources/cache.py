@@ -116,8 +116,7 @@ class CacheClient:
     ) -> tuple[dict[str, object], list[int]]:
         """Ask for the segment of ``uri`` (at ``version``, of ``size`` bytes, if given): the answer and its descriptor
         (the caller closes it). The daemon fills the segment first if it has none."""
-        named = uri if "://" in uri else os.path.abspath(uri)  # the daemon has a working directory of its own
-        message = {"op": "attach", "uri": named, "size": size, "version": version}
+        message = {"op": "attach", "uri": daemon_uri(uri), "size": size, "version": version}
         return self.request({**message, "storage_options": dict(storage_options or {})})
 
     def close(self) -> None:
@@ -142,6 +141,16 @@ class CacheClient:
             ) from error
         except ConnectionResetError as error:
             raise CacheUnavailableError(f"the cache daemon at {self.path} reset the connection") from error
+
+
+def daemon_uri(uri: str) -> str:
+    """``uri`` as the daemon reads it: a local path made absolute (the daemon has a working directory of its own).
+
+    Example:
+        >>> daemon_uri("s3://bucket/model.safetensors")
+        's3://bucket/model.safetensors'
+    """
+    return uri if "://" in uri else os.path.abspath(uri)
 
 
 def _connect(path: str) -> socket.socket:
@@ -250,8 +259,13 @@ class CachedStore:
         Raises:
             CacheFullError: the GPU has no room for it; CacheError: the daemon keeps no copies on that GPU.
         """
-        named = segment.uri if "://" in segment.uri else os.path.abspath(segment.uri)
-        request = {"op": "device", "uri": named, "size": segment.size, "version": segment.version, "gpu": uuid}
+        request = {
+            "op": "device",
+            "uri": daemon_uri(segment.uri),
+            "size": segment.size,
+            "version": segment.version,
+            "gpu": uuid,
+        }
         answer, fds = self.client.request({**request, "storage_options": self._storage_options})
         allocation = answer.get("allocation_bytes")
         if len(fds) != 1 or answer.get("size") != segment.size or answer.get("gpu") != uuid:

@@ -10,25 +10,21 @@ again and the range resumes).
 
 Auth: anonymous, basic, or the bearer-token flow (``WWW-Authenticate: Bearer realm=...``): credentials from
 ``storage_options`` (``username``, ``password``) or the Docker config file (``$DOCKER_CONFIG/config.json`` or
-``~/.docker/config.json``, its ``auths``). A token that expires (a 401 mid-load) is asked for again and the
-range retried.
+``~/.docker/config.json``, its ``auths``) (``weightstream.sources.registry_auth``). A token that expires (a 401
+mid-load) is asked for again and the range retried.
 
-Integrity: each blob's bytes are hashed (sha256) in blob order as they arrive; pieces that arrive ahead of
-the hash are copied aside until it reaches them (at most :data:`REORDER_BYTES`). A blob is checked against its
-digest when its last byte is hashed; small gaps the load never reads (tar headers) are read when its file
-closes. A mismatch is :class:`IntegrityError` naming the blob and the file. A load that reads only part of a
-blob (a filter) cannot check it: the store says so in the log when it closes.
+Integrity: each blob's bytes are hashed (sha256) in blob order as they arrive (``weightstream.sources.blob_hash``:
+a reader whose piece is next hashes it in place, one ahead waits for its turn, then copies its piece aside). A
+blob is checked against its digest when its last byte is hashed; small gaps the load never reads (tar headers)
+are read when its file closes. A mismatch is :class:`IntegrityError` naming the blob and the file. A load
+that reads only part of a blob (a filter, a distributed rank) cannot check it: the store logs it when it closes.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import hashlib
-import json
-import os
 import threading
-import time
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
@@ -43,7 +39,9 @@ from weightstream.errors import (
     logger,
 )
 from weightstream.formats import oci
+from weightstream.sources.blob_hash import BlobHash
 from weightstream.sources.http_range import RangeTarget
+from weightstream.sources.registry_auth import Exchange, RegistryAuth
 from weightstream.sources.remote import RemoteStore, known_options
 from weightstream.sources.retry import RetryPolicy
 
@@ -53,13 +51,8 @@ STORAGE_OPTIONS = ("username", "password", "insecure")
 """What ``storage_options`` may hold for ``oci://``: credentials, and ``insecure`` (plain HTTP)."""
 MAX_REDIRECTS = 5
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
-REORDER_BYTES = 512 << 20
-"""Pieces of one blob held aside, copied, until the hash reaches them; beyond this the blob is not checked in line."""
-WAIT_FOR_TURN_S = 0.5
-"""How long a reader whose piece is ahead of the hash waits for its turn before copying the piece aside."""
 GAP_FILL_BYTES = 4 << 20
 """Unread bytes of a blob (tar headers, padding) read when its file closes, so that it can be checked."""
-MAX_TOKEN_BYTES = 1 << 20
 
 
 @dataclasses.dataclass
@@ -153,7 +146,7 @@ class OciStore(RemoteStore):
         url = self._blob_url(source.reference, source.file.digest)
         location = self._locations.pop(url, url)
         if _same_host(url, location):
-            self._auth_for(source.reference).answer(denied.challenge, self, str(denied))
+            self._auth_for(source.reference).answer(denied.challenge, self.fetch, str(denied))
 
     def hash_of(self, file: oci.ArtifactFile, what: str) -> BlobHash:
         """The running hash of ``file``'s blob (shared by every file and read of it in this store)."""
@@ -253,31 +246,24 @@ class OciStore(RemoteStore):
             return location
         raise SourceError(f"{reference.artifact}: more than {MAX_REDIRECTS} redirects for {url}")
 
+    def fetch(self, url: str, headers: Mapping[str, str], limit: int) -> Exchange:
+        """A GET of a small document (at most ``limit`` bytes), retried as the store's policy says."""
+        return self.policy.run(url, lambda: self.ranges.fetch(url, headers, limit))
+
     def _get(
         self, reference: oci.Reference, url: str, headers: Mapping[str, str], limit: int, *, credentials: bool = True
-    ) -> tuple[Any, bytes]:
+    ) -> Exchange:
         """A GET of a small document, answering the registry's 401 challenge once (a token, or basic auth)."""
-        auth = self._auth_for(reference)
-        for attempt in range(2):
-            sent = {**headers, **(auth.headers() if credentials else {})}
-            answer, body = self.policy.run(url, lambda sent=sent: self.ranges.fetch(url, sent, limit))
-            if answer.status == 401 and credentials and attempt == 0:
-                auth.answer(answer.getheader("WWW-Authenticate") or "", self, f"{url}: HTTP 401")
-                continue
-            if answer.status in (401, 403):
-                raise AccessDeniedError(f"{reference.artifact}: access denied (HTTP {answer.status}) for {url}")
-            return answer, body
-        raise AssertionError("unreachable")
+        return self._auth_for(reference).send(
+            lambda sent: self.fetch(url, {**headers, **sent}, limit), self.fetch, url, credentials=credentials
+        )
 
     def _auth_for(self, reference: oci.Reference) -> RegistryAuth:
         key = (reference.registry, reference.repository)
         with self._lock:
             auth = self._auth.get(key)
             if auth is None:
-                username, password = self._options.get("username"), self._options.get("password")
-                if username is None:
-                    username, password = docker_credentials(reference.registry)
-                auth = self._auth[key] = RegistryAuth(reference, username, password)
+                auth = self._auth[key] = RegistryAuth.of(reference, self._options)
             return auth
 
     def repository_url(self, reference: oci.Reference) -> str:
@@ -289,62 +275,6 @@ class OciStore(RemoteStore):
 
     def _blob_url(self, reference: oci.Reference, digest: str) -> str:
         return f"{self.repository_url(reference)}/blobs/{digest}"
-
-
-class RegistryAuth:
-    """The credentials of one repository and the ``Authorization`` they currently buy (none, basic or a token)."""
-
-    def __init__(
-        self, reference: oci.Reference, username: str | None, password: str | None, actions: str = "pull"
-    ) -> None:
-        self.reference = reference
-        self.actions = actions
-        """What a token is asked for: ``pull``, or ``pull,push`` for ``weightstream push``."""
-        self.username, self.password = username, password
-        self._header: str | None = None
-        self._lock = threading.Lock()
-
-    def headers(self) -> dict[str, str]:
-        with self._lock:
-            return {} if self._header is None else {"Authorization": self._header}
-
-    def answer(self, challenge: str, store: OciStore, what: str) -> None:
-        """Meet a 401's ``WWW-Authenticate`` challenge: basic credentials, or a token from the realm it names.
-
-        Raises:
-            AccessDeniedError: no credentials for a basic challenge, or the token service refused.
-        """
-        scheme, _, parameters = challenge.partition(" ")
-        if scheme.lower() == "basic":
-            if self.username is None:
-                raise AccessDeniedError(f"{what}: the registry asks for credentials (storage_options or docker login)")
-            with self._lock:
-                self._header = "Basic " + _basic(self.username, self.password or "")
-            return
-        if scheme.lower() != "bearer":
-            raise AccessDeniedError(f"{what}: an authentication challenge weightstream cannot answer: {challenge:.80}")
-        fields = _challenge_fields(parameters)
-        realm = fields.get("realm")
-        if not realm:
-            raise AccessDeniedError(f"{what}: a bearer challenge without a realm")
-        query = {
-            "service": fields.get("service", ""),
-            "scope": f"repository:{self.reference.repository}:{self.actions}",
-        }
-        url = f"{realm}{'&' if '?' in realm else '?'}{urllib.parse.urlencode(query)}"
-        sent = {} if self.username is None else {"Authorization": "Basic " + _basic(self.username, self.password or "")}
-        answer, body = store.policy.run(url, lambda: store.ranges.fetch(url, sent, MAX_TOKEN_BYTES))
-        if answer.status != 200:
-            raise AccessDeniedError(f"{what}: the token service at {realm} answered HTTP {answer.status}")
-        try:
-            document = json.loads(body)
-            token = document.get("token") or document.get("access_token")
-        except (ValueError, AttributeError):
-            token = None
-        if not isinstance(token, str) or not token:
-            raise AccessDeniedError(f"{what}: the token service at {realm} gave no token")
-        with self._lock:
-            self._header = f"Bearer {token}"
 
 
 class OciSource:
@@ -405,167 +335,6 @@ class OciSource:
 
     def close(self) -> None:
         """Nothing to release: connections belong to the store."""
-
-
-class BlobHash:
-    """The sha256 of one blob, fed pieces in any order and hashed in blob order.
-
-    A reader whose piece is next hashes it in place, outside the lock; one whose piece is ahead waits (its
-    bytes stay where they landed) for the pieces before it, for at most :data:`WAIT_FOR_TURN_S`, then copies its
-    piece aside and goes on (a piece before it may never come: a gap the load does not read). Pieces set aside
-    are hashed when the hash reaches them.
-    """
-
-    def __init__(self, digest: str, size: int, what: str) -> None:
-        self.digest, self.size, self.what = digest, size, what
-        self.hashed_bytes = 0
-        """Bytes hashed, and being hashed: the next piece to hash starts here."""
-        self.checked = False
-        self._hash = hashlib.sha256()
-        self._ahead: dict[int, bytes] = {}
-        self._ahead_bytes = 0
-        self._abandoned = False
-        self._hashing = False
-        self._turn = threading.Condition()
-
-    def feed(self, at: int, piece: memoryview) -> None:
-        """Bytes ``at..at+len(piece)`` of the blob, as read.
-
-        Raises:
-            IntegrityError: they complete the blob and it does not hash to its digest.
-        """
-        deadline = time.monotonic() + WAIT_FOR_TURN_S
-        with self._turn:
-            while not self._done() and (self._hashing or at > self.hashed_bytes):
-                left = deadline - time.monotonic()
-                if left <= 0 and at > self.hashed_bytes:  # a piece before it is late, or never comes: keep a copy
-                    self._set_aside(at, piece)
-                    return
-                self._turn.wait(max(left, 0.001))
-            if self._done() or at + len(piece) <= self.hashed_bytes:
-                return
-            start, self._hashing = self.hashed_bytes, True
-            self.hashed_bytes = at + len(piece)
-        try:
-            self._hash.update(piece[start - at :])
-            with self._turn:
-                pieces = self._take_aside()
-            for offset, data in pieces:
-                self._hash.update(memoryview(data)[offset:])
-        finally:
-            with self._turn:
-                self._hashing = False
-                self._turn.notify_all()
-                if self.hashed_bytes == self.size and not self.checked:
-                    self._finish()
-
-    def gaps(self, limit: int) -> list[tuple[int, int]]:
-        """The unread ranges between what is hashed and what is held aside, if they total at most ``limit``."""
-        with self._turn:
-            if self._done():
-                return []
-            gaps, at = [], self.hashed_bytes
-            for start in sorted(self._ahead):
-                if start > at:
-                    gaps.append((at, start - at))
-                at = max(at, start + len(self._ahead[start]))
-            if at < self.size:
-                gaps.append((at, self.size - at))
-            return gaps if sum(nbytes for _, nbytes in gaps) <= limit else []
-
-    def _done(self) -> bool:
-        return self.checked or self._abandoned
-
-    def _set_aside(self, at: int, piece: memoryview) -> None:
-        """Keep a copy of a piece ahead of the hash (under the lock)."""
-        if self._ahead_bytes + len(piece) > REORDER_BYTES:
-            self._abandoned = True  # too far ahead to keep: the blob is not checked in line
-            self._ahead.clear()
-            self._ahead_bytes = 0
-            return
-        if len(self._ahead.get(at, b"")) < len(piece):
-            self._ahead_bytes += len(piece) - len(self._ahead.get(at, b""))
-            self._ahead[at] = bytes(piece)
-
-    def _take_aside(self) -> list[tuple[int, bytes]]:
-        """The pieces set aside that the hash has reached, in order, with where each starts being new (under the
-        lock; :attr:`hashed_bytes` moves past them)."""
-        taken = []
-        while True:
-            reached = sorted(start for start in self._ahead if start <= self.hashed_bytes)
-            if not reached:
-                return taken
-            for start in reached:
-                data = self._ahead.pop(start)
-                self._ahead_bytes -= len(data)
-                if start + len(data) > self.hashed_bytes:
-                    taken.append((self.hashed_bytes - start, data))
-                    self.hashed_bytes = start + len(data)
-
-    def _finish(self) -> None:
-        actual = "sha256:" + self._hash.hexdigest()
-        self.checked = True
-        if actual != self.digest:
-            raise IntegrityError(f"{self.what}: blob {self.digest} hashes to {actual} (corrupted in the registry)")
-
-
-def docker_credentials(registry: str) -> tuple[str | None, str | None]:
-    """The username and password ``docker login`` stored for ``registry`` (``auths`` of the Docker config file),
-    or ``(None, None)``.
-
-    Example:
-        >>> docker_credentials("registry.invalid:1")
-        (None, None)
-    """
-    path = os.path.join(os.environ.get("DOCKER_CONFIG") or os.path.expanduser("~/.docker"), "config.json")
-    try:
-        with open(path) as config:
-            auths = json.load(config).get("auths", {})
-    except (OSError, ValueError, AttributeError):
-        return None, None
-    entry = auths.get(registry) or auths.get(f"https://{registry}") or auths.get(f"http://{registry}")
-    if not isinstance(entry, dict):
-        return None, None
-    if isinstance(entry.get("auth"), str):
-        try:
-            username, _, password = base64.b64decode(entry["auth"]).decode().partition(":")
-        except (ValueError, UnicodeDecodeError):
-            return None, None
-        return username, password
-    return entry.get("username"), entry.get("password")
-
-
-def _basic(username: str, password: str) -> str:
-    return base64.b64encode(f"{username}:{password}".encode()).decode()
-
-
-def _challenge_fields(parameters: str) -> dict[str, str]:
-    """``realm="...",service="..."`` as a mapping.
-
-    Example:
-        >>> _challenge_fields('realm="https://auth.io/token",service="registry.io",scope="repository:a:pull"')
-        {'realm': 'https://auth.io/token', 'service': 'registry.io', 'scope': 'repository:a:pull'}
-    """
-    fields = {}
-    for part in _split_quoted(parameters):
-        name, equals, value = part.strip().partition("=")
-        if equals:
-            fields[name.strip().lower()] = value.strip().strip('"')
-    return fields
-
-
-def _split_quoted(text: str) -> list[str]:
-    parts, current, quoted = [], [], False
-    for character in text:
-        if character == '"':
-            quoted = not quoted
-        if character == "," and not quoted:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(character)
-    parts.append("".join(current))
-    return parts
 
 
 def _c_string(data: bytes) -> str:
