@@ -39,8 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from weightstream.bench.cache_daemon import daemon_process
 from weightstream.bench.demo import demo_checkpoint
-from weightstream.cache.daemon import daemon_process
 from weightstream.cli import parse_size
 
 TOUCH = """
@@ -60,7 +60,7 @@ print(json.dumps({{"seconds": time.perf_counter() - started, "bytes": total}}))
 """
 LOADS = {
     "cache-attach": (
-        "import weightstream, weightstream.sources.cache",
+        "import weightstream, weightstream.nodecache.client",
         "weights = weightstream.load_weights(sys.argv[1], cache=sys.argv[2])",
     ),
     "weightstream-owned": ("import weightstream", "weights = weightstream.load_weights(sys.argv[1])"),
@@ -72,7 +72,7 @@ LOADS = {
         ),
     ),
     "cache-attach-owned": (
-        "import weightstream, weightstream.sources.cache",
+        "import weightstream, weightstream.nodecache.client",
         "weights = weightstream.load_weights(sys.argv[1], cache=sys.argv[2], zero_copy=False)",
     ),
 }
@@ -276,7 +276,7 @@ def s3_restart(uri: str, socket_path: str, rounds: int) -> dict:
     run(FROM_START, uri, json.dumps({"cache": socket_path}))  # the daemon fills it once
     seconds: dict[str, list[float]] = {}
     in_process = TOUCH.format(
-        imports="import weightstream, weightstream.sources.cache",
+        imports="import weightstream, weightstream.nodecache.client",
         load="weights = weightstream.load_weights(sys.argv[1], **json.loads(sys.argv[2]))",
     )
     cached, streamed = json.dumps({"cache": socket_path}), "{}"

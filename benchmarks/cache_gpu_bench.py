@@ -26,13 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from weightstream.bench.cache_daemon import daemon_process
 from weightstream.bench.demo import demo_checkpoint
-from weightstream.cache.daemon import daemon_process
 from weightstream.cli import parse_size
 
 LOAD = """
 import sys, time, json
-import torch, weightstream, weightstream.sources.cache, weightstream.memory.segment_copies
+import torch, weightstream, weightstream.nodecache.client, weightstream.nodecache.gpu_import
 torch.zeros(1, device="cuda")
 options = json.loads(sys.argv[2])
 started = time.perf_counter()

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_bench import interleaved_rounds, model_directory, summarise
 
 from tests.engine_envs import vllm_python
-from weightstream.cache.daemon import daemon_process
+from weightstream.bench.cache_daemon import daemon_process
 
 METHODS = {
     "auto": ("auto", {}),

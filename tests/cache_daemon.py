@@ -94,7 +94,7 @@ def running_daemon(prefix: str, *extra: str) -> Iterator[Daemon]:
 
 def request(socket_path: Path, message: dict) -> dict:
     """The daemon's answer to ``message`` (any descriptor it carries closed)."""
-    from weightstream.sources.cache import CacheClient
+    from weightstream.nodecache.client import CacheClient
 
     client = CacheClient(str(socket_path))
     try:

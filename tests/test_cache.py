@@ -25,13 +25,13 @@ import weightstream
 from tests.cache_daemon import ROOT, Daemon, remove, request
 from tests.cache_daemon import places as cache_places
 from tests.conftest import assert_same, save_hf_sharded
-from weightstream.cache.segments import tmpfs_huge_pages
 from weightstream.errors import (
     CacheFullError,
     CacheProtocolError,
     CacheUnavailableError,
 )
-from weightstream.sources.cache_protocol import LENGTH, MAX_REQUEST_BYTES, receive
+from weightstream.nodecache.daemon.limits import tmpfs_huge_pages
+from weightstream.nodecache.protocol import LENGTH, MAX_REQUEST_BYTES, receive
 
 
 @pytest.fixture
@@ -239,7 +239,7 @@ def test_kill_9_mid_fill_leaves_nothing_a_client_can_map(tmp_path, places, no_le
 
 OTHER_USER = textwrap.dedent("""
     import os, sys
-    from weightstream.sources.cache import CacheClient  # imported as root: the interpreter's files are root's
+    from weightstream.nodecache.client import CacheClient  # imported as root: the interpreter's files are root's
     from weightstream.errors import CacheError
     os.setgroups([]); os.setgid(65534); os.setuid(65534)
     try:
@@ -359,7 +359,7 @@ def test_referenced_entries_are_kept_by_evict(tmp_path, daemon, no_leaks):
 def test_auto_without_a_daemon_reads_the_source_and_an_explicit_socket_raises(tmp_path, monkeypatch, caplog, no_leaks):
     save_file(state(), str(tmp_path / "model.safetensors"))
     monkeypatch.setenv("WEIGHTSTREAM_CACHE", str(tmp_path / "nobody.sock"))
-    with caplog.at_level("INFO", logger="weightstream.sources.cache"):
+    with caplog.at_level("INFO", logger="weightstream.nodecache.client"):
         assert_same(weightstream.load_weights(tmp_path / "model.safetensors", cache="auto"), state())
     assert any("reading from the source" in record.message for record in caplog.records)
     with pytest.raises(

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.cache_daemon import ROOT, places, remove, stats
-from weightstream.cache.segments import MEMORY_RESERVE_BYTES, cgroup_room
 from weightstream.errors import CacheFullError
+from weightstream.nodecache.daemon.limits import MEMORY_RESERVE_BYTES, cgroup_room
 
 MiB = 1 << 20
 
@@ -113,7 +113,7 @@ def test_a_fill_the_daemons_cgroup_cannot_hold_is_refused_before_any_read_and_th
 
 
 def request_attach(socket_path: str, path: Path) -> None:
-    from weightstream.sources.cache import CacheClient
+    from weightstream.nodecache.client import CacheClient
 
     client = CacheClient(socket_path)
     try:

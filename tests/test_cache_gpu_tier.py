@@ -21,10 +21,10 @@ from tests.conftest import assert_same, save_hf_sharded
 from weightstream.bench.demo import LlamaShape, llama_state_dict
 from weightstream.errors import CacheError, CacheProtocolError, DeviceUnavailableError
 from weightstream.memory.ring import CpuCopyEngine, CpuStaging
-from weightstream.memory.shared import map_read_only
+from weightstream.nodecache.client import CacheClient, CachedStore
+from weightstream.nodecache.protocol import check_request
+from weightstream.nodecache.shared_mapping import map_read_only
 from weightstream.readers.staged import read_staged
-from weightstream.sources.cache import CacheClient, CachedStore
-from weightstream.sources.cache_protocol import check_request
 from weightstream.sources.local import LocalStore
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -66,7 +66,7 @@ def test_writing_through_a_read_only_mapping_faults(tmp_path: Path):
     path.write_bytes(b"\0" * 4096)
     script = textwrap.dedent(
         f"""
-        from weightstream.memory.shared import map_read_only
+        from weightstream.nodecache.shared_mapping import map_read_only
         with open({str(path)!r}, "rb") as file:
             mapped = map_read_only(file.fileno(), 4096)
         mapped.fill_(1)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightstream.errors import CacheProtocolError, CacheUnavailableError
-from weightstream.sources.cache_protocol import LENGTH, OPERATIONS, check_request, encode, receive, send
+from weightstream.nodecache.protocol import LENGTH, OPERATIONS, check_request, encode, receive, send
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -27,9 +27,9 @@ import weightstream
 from weightstream.bench.demo import GIB, demo_checkpoint
 from weightstream.bench.methods import METHODS_BY_DEVICE
 from weightstream.bench.runner import CACHES, check_device, format_table, plot, run_bench
-from weightstream.cache.commands import add_cache_commands
 from weightstream.errors import WeightstreamError
 from weightstream.formats.safetensors import DTYPE_NAMES
+from weightstream.nodecache.daemon.commands import add_cache_commands
 from weightstream.progress import ProgressBar
 
 UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"})

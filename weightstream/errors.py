@@ -210,7 +210,7 @@ class WeightsMismatchError(WeightstreamError, ValueError):
 
 
 class CacheError(WeightstreamError):
-    """The node weight cache failed: the root of its errors (see ``weightstream.cache``)."""
+    """The node weight cache failed: the root of its errors (see ``weightstream.nodecache``)."""
 
 
 class CacheUnavailableError(CacheError, ConnectionError):

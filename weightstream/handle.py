@@ -114,7 +114,7 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
 
 def _through_cache(store: Store, opts: LoadOptions) -> Store:
     """``store`` read through the node cache ``opts.cache`` names (``store`` itself for ``"auto"`` without a daemon)."""
-    from weightstream.sources.cache import CachedStore, connect
+    from weightstream.nodecache.client import CachedStore, connect
 
     client = connect(str(opts.cache))
     if client is None:
@@ -122,7 +122,7 @@ def _through_cache(store: Store, opts: LoadOptions) -> Store:
     copy_sources = None
     if torch.device(opts.device).type == "cuda":
         from weightstream.memory.devices import check_destination
-        from weightstream.memory.segment_copies import SegmentCopies
+        from weightstream.nodecache.gpu_import import SegmentCopies
 
         try:
             check_destination(opts.device, opts.pin_memory)

@@ -154,7 +154,7 @@ def run_bench(
 def node_cache(uri: str) -> Iterator[str]:
     """A cache daemon of the bench's own (segments in ``/dev/shm``), holding ``uri`` before the first round, its
     socket in ``$WEIGHTSTREAM_CACHE`` for the workers; stopped and removed afterwards."""
-    from weightstream.cache.daemon import daemon_process
+    from weightstream.bench.cache_daemon import daemon_process
 
     token = f"{os.getpid()}-{os.urandom(3).hex()}"
     directory, socket_path = f"/dev/shm/weightstream-bench-{token}", f"/tmp/weightstream-bench-{token}.sock"

@@ -93,7 +93,7 @@ def engine_cache(options: dict[str, Any], load_format: str) -> dict[str, Any]:
         {'threads': 4}
     """
     from weightstream.errors import CacheUnavailableError
-    from weightstream.sources.cache import ENVIRONMENT, CacheClient, resolve_socket
+    from weightstream.nodecache.client import ENVIRONMENT, CacheClient, resolve_socket
 
     options = dict(options)
     required = options.pop("cache_required", False)

@@ -19,6 +19,7 @@ import torch
 from weightstream.errors import DeviceUnavailableError, logger
 from weightstream.memory.devices import check_destination, check_fits
 from weightstream.memory.host import HostArena, view_as
+from weightstream.nodecache.client import SegmentSource
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import FileLayout, LoadPlan, ReadRequest, layout_file
 from weightstream.readers.files import FileHandles
@@ -30,7 +31,6 @@ from weightstream.readers.tasks import (
     wants_huge_pages,
 )
 from weightstream.sources.base import Source, Store
-from weightstream.sources.cache import SegmentSource
 from weightstream.sources.local import LocalStore
 from weightstream.sources.mapped import MappedFile
 

@@ -1,9 +1,9 @@
 """Where a CUDA load through the node cache copies each file from, with no staging slot.
 
 First choice, the daemon's own copy on this GPU (``cache serve --device``): imported and mapped read-only
-(``weightstream.memory.vmm``), so bytes move device to device, or not at all for ``zero_copy=True``. Else
+(``weightstream.nodecache.vmm``), so bytes move device to device, or not at all for ``zero_copy=True``. Else
 the segment in host shared memory, mapped read-only and page-locked in place
-(``weightstream.memory.shared``), so the copy engine's DMA reads it directly. A device whose driver cannot
+(``weightstream.nodecache.shared_mapping``), so the copy engine's DMA reads it directly. A device whose driver cannot
 lock read-only memory gets neither: its copies go through the staging ring, and the log says so once.
 """
 
@@ -15,9 +15,10 @@ from collections.abc import Mapping
 import torch
 
 from weightstream.errors import CacheFullError, logger
-from weightstream.memory import pinning, vmm
-from weightstream.memory.shared import map_read_only
-from weightstream.sources.cache import CachedStore, SegmentSource
+from weightstream.memory import pinning
+from weightstream.nodecache import vmm
+from weightstream.nodecache.client import CachedStore, SegmentSource
+from weightstream.nodecache.shared_mapping import map_read_only
 
 log = logger(__name__)
 

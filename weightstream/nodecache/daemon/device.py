@@ -1,7 +1,7 @@
 """The cache's GPU tier: ``cache serve --device cuda:N`` keeps device copies of cached files on GPU N.
 
 A copy is made from the file's segment the first time a client on that GPU asks for it (the ``device``
-request), once however many ask at once, and exported as a POSIX descriptor (``weightstream.memory.vmm``)
+request), once however many ask at once, and exported as a POSIX descriptor (``weightstream.nodecache.vmm``)
 that every later client on that GPU imports and maps read-only: no copy at all. Copies are keyed by the
 segment's key and the GPU's UUID, never its index, since ``CUDA_VISIBLE_DEVICES`` numbers devices
 differently in each process. A copy that does not fit evicts the least recently used ones first; an evicted
@@ -20,8 +20,8 @@ import time
 import torch
 
 from weightstream.errors import CacheError, CacheFullError, DeviceUnavailableError, logger
-from weightstream.memory import vmm
-from weightstream.memory.shared import map_read_only
+from weightstream.nodecache import vmm
+from weightstream.nodecache.shared_mapping import map_read_only
 
 log = logger(__name__)
 

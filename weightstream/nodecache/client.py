@@ -41,8 +41,8 @@ from weightstream.errors import (
     TruncatedFileError,
     logger,
 )
+from weightstream.nodecache.protocol import MAX_ANSWER_BYTES, close_all, head_digest, receive, send
 from weightstream.sources.base import Source, Store
-from weightstream.sources.cache_protocol import MAX_ANSWER_BYTES, close_all, head_digest, receive, send
 
 log = logger(__name__)
 
@@ -168,7 +168,7 @@ def _connect(path: str) -> socket.socket:
 
 class CopySources(Protocol):
     """Gives each segment of a CUDA load its :attr:`SegmentSource.copy_source`
-    (``weightstream.memory.segment_copies``)."""
+    (``weightstream.nodecache.gpu_import``)."""
 
     def __call__(
         self, store: CachedStore, segment: SegmentSource, fd: int, answer: Mapping[str, object]

@@ -22,23 +22,21 @@ import hashlib
 import json
 import mmap
 import os
-import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from weightstream.errors import CacheError, CacheFullError, FormatError, logger
 from weightstream.formats.strict_json import parse_json
+from weightstream.nodecache.daemon.limits import MEMORY_RESERVE_BYTES, cgroup_room, mem_available, tmpfs_huge_pages
+from weightstream.nodecache.daemon.references import KEY, references
+from weightstream.nodecache.protocol import HEAD_BYTES, head_digest
 from weightstream.sources.base import Source
-from weightstream.sources.cache_protocol import HEAD_BYTES, head_digest
 from weightstream.sources.local import DIRECT_ALIGNMENT
 
 log = logger(__name__)
 
 FILL_CHUNK_BYTES = 8 << 20
 """The fill's read requests."""
-MEMORY_RESERVE_BYTES = 256 << 20
-"""Left free when checking a fill against the memory available and the cgroup's limit."""
-KEY = re.compile(r"^[0-9a-f]{32}$")
 MANIFEST_VERSION = 2
 
 
@@ -201,14 +199,7 @@ class SegmentStore:
 
     def references(self) -> dict[str, set[int]]:
         """Processes that map (or hold open) each segment: key -> pids, read from ``/proc``."""
-        found: dict[str, set[int]] = {}
-        prefix = os.path.join(os.path.realpath(self.directory), "")
-        for pid in _pids():
-            for path in _mapped_and_open(pid, prefix):
-                name = os.path.basename(path).removesuffix(" (deleted)")
-                if name.endswith(".seg") and KEY.match(name[:-4]):
-                    found.setdefault(name[:-4], set()).add(pid)
-        return found
+        return references(self.directory)
 
     def _shortfall(self, size: int) -> str | None:
         """Why ``size`` more bytes do not fit now, or None if they do."""
@@ -217,7 +208,7 @@ class SegmentStore:
         free = os.statvfs(self.directory)
         if free.f_bavail * free.f_frsize < size:
             return f"{self.directory} has {free.f_bavail * free.f_frsize} bytes free"
-        available = _mem_available()
+        available = mem_available()
         if available is not None and available - MEMORY_RESERVE_BYTES < size:
             return (
                 f"the machine has {available} bytes of memory available (MemAvailable), "
@@ -303,108 +294,3 @@ def _read_whole(source: Source, fd: int, length: int, threads: int, huge_pages: 
                         raise read.exception()  # type: ignore[misc]
         finally:
             view.release()
-
-
-def tmpfs_huge_pages(directory: str) -> str | None:
-    """The ``huge=`` option of the tmpfs that holds ``directory`` (``never`` when the mount says nothing), or
-    ``None`` when it is not a tmpfs.
-
-    Example:
-        >>> tmpfs_huge_pages("/dev/shm") in ("never", "always", "within_size", "advise", None)
-        True
-    """
-    target = os.path.realpath(directory)
-    best: tuple[str, str, str] | None = None
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as mountinfo:
-        for line in mountinfo:
-            fields = line.split()
-            separator = fields.index("-")
-            point, kind, options = fields[4], fields[separator + 1], fields[separator + 3]
-            inside = target == point or target.startswith(point.rstrip("/") + "/")
-            if inside and (best is None or len(point) > len(best[0])):
-                best = (point, kind, options)
-    if best is None or best[1] != "tmpfs":
-        return None
-    return next((option[5:] for option in best[2].split(",") if option.startswith("huge=")), "never")
-
-
-def _pids() -> Iterator[int]:
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            yield int(name)
-
-
-def _mapped_and_open(pid: int, prefix: str) -> set[str]:
-    paths = set()
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
-        for line in maps:
-            at = line.find(prefix)
-            if at >= 0:
-                paths.add(line[at:].rstrip("\n"))
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(prefix):
-                    paths.add(target)
-    return paths
-
-
-def _mem_available() -> int | None:
-    with contextlib.suppress(OSError), open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
-CGROUP_UNLIMITED = 1 << 62
-"""cgroup v1 writes "no limit" as a page-rounded 2**63 - 1: any limit above this is none."""
-
-
-def cgroup_room(cgroup_file: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup") -> int | None:
-    """Bytes this process's memory cgroup may still be charged: the least room (limit less usage) of its cgroup and
-    each ancestor that has a limit, cgroup v2 (``memory.max``, ``memory.current``) or v1 (``memory.limit_in_bytes``,
-    ``memory.usage_in_bytes``); None where none is limited or the files cannot be read.
-
-    Example:
-        >>> room = cgroup_room()
-        >>> room is None or isinstance(room, int)
-        True
-    """
-    try:
-        with open(cgroup_file) as cgroup:
-            entries = [line.rstrip("\n").split(":", 2) for line in cgroup if line.count(":") >= 2]
-    except OSError:
-        return None
-    v1 = next((path for _, controllers, path in entries if "memory" in controllers.split(",")), None)
-    if v1 is not None:
-        top, path, names = os.path.join(mount, "memory"), v1, ("memory.limit_in_bytes", "memory.usage_in_bytes")
-    else:
-        v2 = next((path for hierarchy, controllers, path in entries if hierarchy == "0" and not controllers), None)
-        if v2 is None:
-            return None
-        top, path, names = mount, v2, ("memory.max", "memory.current")
-    rooms = []
-    directory = os.path.normpath(os.path.join(top, path.lstrip("/")))
-    while True:
-        room = _room_of(directory, *names)
-        if room is not None:
-            rooms.append(room)
-        if directory == top or not directory.startswith(top):
-            break
-        directory = os.path.dirname(directory)
-    return min(rooms, default=None)
-
-
-def _room_of(directory: str, limit_name: str, usage_name: str) -> int | None:
-    """A cgroup's limit less its usage, or None without a limit (or files to say)."""
-    try:
-        with open(os.path.join(directory, limit_name)) as limit_file:
-            limit = limit_file.read().strip()
-        if limit == "max" or int(limit) >= CGROUP_UNLIMITED:
-            return None
-        with open(os.path.join(directory, usage_name)) as usage_file:
-            return int(limit) - int(usage_file.read())
-    except (OSError, ValueError):
-        return None

@@ -1,15 +1,15 @@
 """The cache daemon: ``weightstream cache serve``.
 
 It listens on a Unix socket (created owner-only, or for one group), checks every client's uid with
-``SO_PEERCRED``, and answers length-prefixed JSON requests (``weightstream.sources.cache_protocol``):
+``SO_PEERCRED``, and answers length-prefixed JSON requests (``weightstream.nodecache.protocol``):
 ``attach`` a source file (filling its segment on a miss: one fill however many clients ask at once; a
 fill that cannot fit is refused before any byte is read), ``device`` (its copy on a GPU the daemon
-serves, ``weightstream.cache.device``), ``ls``, ``stats``, ``evict`` and ``stop``.
+serves, ``weightstream.nodecache.daemon.device``), ``ls``, ``stats``, ``evict`` and ``stop``.
 Each client has a thread; a client that sends nothing for ``idle_timeout_s`` is dropped, a malformed or
 oversized message ends its connection, and at most ``max_clients`` are served at once. SIGTERM (or
 ``stop``) stops accepting, lets the requests in progress finish, and returns.
 
-Segments outlive the daemon (``weightstream.cache.segments``): a restarted daemon adopts the complete
+Segments outlive the daemon (``weightstream.nodecache.daemon.segments``): a restarted daemon adopts the complete
 ones and discards the rest, and clients that mapped segments keep them whatever happens to the daemon.
 """
 
@@ -19,17 +19,12 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
-from weightstream.cache.device import DeviceTier
-from weightstream.cache.segments import Segment, SegmentStore, segment_key
 from weightstream.errors import (
     CacheError,
     CacheProtocolError,
@@ -38,9 +33,11 @@ from weightstream.errors import (
     WeightstreamError,
     logger,
 )
+from weightstream.nodecache.daemon.device import DeviceTier
+from weightstream.nodecache.daemon.segments import Segment, SegmentStore, segment_key
+from weightstream.nodecache.protocol import MAX_REQUEST_BYTES, check_request, close_all, receive, send
 from weightstream.sources import store_for
 from weightstream.sources.base import Source, Store
-from weightstream.sources.cache_protocol import MAX_REQUEST_BYTES, check_request, close_all, receive, send
 from weightstream.sources.retry import RetryPolicy
 
 log = logger(__name__)
@@ -427,43 +424,3 @@ def run_daemon(
     daemon.install_signal_handlers()
     daemon.serve(on_ready=(lambda: print(json.dumps(daemon.status()), flush=True)) if status else None)
     return 0
-
-
-@contextlib.contextmanager
-def daemon_process(
-    directory: str, socket_path: str, prefetch: str | None = None, serve_options: Sequence[str] = ()
-) -> Iterator[subprocess.Popen[str]]:
-    """A ``weightstream cache serve`` process of the caller's own (with ``serve_options``, e.g. ``--device cuda:0``),
-    listening when entered (and holding the checkpoint ``prefetch`` names, if given); stopped with SIGTERM and its
-    directory removed on leaving. For benchmarks.
-
-    Raises:
-        CacheError: the daemon did not start, or could not be filled.
-
-    Example:
-        >>> with daemon_process("/dev/shm/my-cache", "/tmp/c.sock", prefetch="model/"):  # doctest: +SKIP
-        ...     weightstream.load_weights("model/", cache="/tmp/c.sock")
-    """
-    command = [sys.executable, "-m", "weightstream.cli", "cache"]
-    serve = [*command, "serve", "--dir", directory, "--socket", socket_path, "--json", *serve_options]
-    daemon = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        if not daemon.stdout.readline():  # type: ignore[union-attr]  # its status line: it listens
-            raise CacheError(f"the cache daemon for {socket_path} did not start (exit {daemon.wait(timeout=60)})")
-        if prefetch is not None:
-            filled = subprocess.run(
-                [*command, "prefetch", prefetch, "--socket", socket_path, "--json"],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if filled.returncode != 0:
-                raise CacheError(
-                    f"the cache daemon could not be filled with {prefetch}: {filled.stderr.strip()[-500:]}"
-                )
-        yield daemon
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=60)
-        daemon.stdout.close()  # type: ignore[union-attr]
-        shutil.rmtree(directory, ignore_errors=True)

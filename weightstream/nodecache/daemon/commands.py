@@ -10,11 +10,11 @@ import logging
 import sys
 from collections.abc import Callable
 
-from weightstream.cache.daemon import default_directory, run_daemon
 from weightstream.errors import CacheError, DeviceUnavailableError
+from weightstream.nodecache.client import CacheClient, default_socket, resolve_socket
+from weightstream.nodecache.daemon.server import default_directory, run_daemon
+from weightstream.nodecache.protocol import close_all
 from weightstream.progress import ProgressBar
-from weightstream.sources.cache import CacheClient, default_socket, resolve_socket
-from weightstream.sources.cache_protocol import close_all
 
 
 def add_cache_commands(
@@ -159,7 +159,7 @@ def _prefetch_device(args: argparse.Namespace, gpus: object) -> None:
     import torch
 
     import weightstream
-    from weightstream.memory.vmm import gpu_uuid
+    from weightstream.nodecache.vmm import gpu_uuid
 
     device = torch.device(args.device)
     if device.type != "cuda":
