@@ -107,6 +107,32 @@ def test_missing_account_or_credentials_are_refused_before_any_request(monkeypat
         weightstream.load_weights("az://bench/model", storage_options={"connection_string": "AccountKey"})
 
 
+@pytest.mark.parametrize("where", ["options", "connection string", "environment"])
+def test_an_account_key_that_is_not_base64_is_refused_in_one_line(monkeypatch, where):
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING", raising=False)
+    options: dict[str, str] = {}
+    if where == "options":
+        options = {"account_name": "acct", "account_key": "not base64!"}
+    elif where == "connection string":
+        options = {"connection_string": "AccountName=acct;AccountKey=not-base64!;EndpointSuffix=core.windows.net"}
+    else:
+        monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
+        monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "not base64!")
+    with pytest.raises(
+        InvalidOptionError,
+        match=r"^az:// on https://acct\.blob\.core\.windows\.net: the account key is not base64 \(copy it whole",
+    ):
+        weightstream.load_weights("az://bench/model", storage_options=options)
+
+
+def test_an_abfs_uri_with_its_account_reads_and_another_account_is_refused(azure_endpoint, checkpoint, no_leaks):
+    uri, state = checkpoint
+    path = uri.removeprefix("az://bench/")
+    assert_same(weightstream.load_weights(f"abfs://bench@{AZURE_ACCOUNT}.dfs.core.windows.net/{path}"), state)
+    with pytest.raises(InvalidOptionError, match=r"names account 'other', but the storage options are for"):
+        weightstream.load_weights(f"abfs://bench@other.dfs.core.windows.net/{path}")
+
+
 def blob_sas(container: str, blob: str, *, expiry_hours: float = 1.0) -> str:
     from azure.storage.blob import BlobSasPermissions, generate_blob_sas
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -205,10 +206,37 @@ def test_load_and_bench_on_the_gpu(checkpoint: Path, tiny_state, tmp_path: Path)
 
 
 @pytest.mark.parametrize(
-    "text, expected", [("1GiB", 2**30), ("512MiB", 2**29), ("4G", 4 * 10**9), ("100", 100), ("1.5k", 1500)]
+    "text, expected",
+    [
+        ("1GiB", 2**30),
+        ("512MiB", 2**29),
+        ("4G", 4 * 10**9),
+        ("100", 100),
+        ("1.5k", 1500),
+        ("2T", 2 * 10**12),
+        ("1TiB", 2**40),
+        ("64Gi", 64 << 30),
+        ("1Ti", 2**40),
+        ("512Mi", 512 << 20),
+    ],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("9" * 400, "not a size"),
+        ("99999999999999999999", "too large a size"),
+        ("1.5.5G", "not a size"),
+        ("12 parsecs", "not a size"),
+        ("-1G", "not a size"),
+    ],
+)
+def test_parse_size_refuses_what_is_no_size(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        parse_size(text)
 
 
 def test_inspect_of_a_lone_surrogate_name_is_a_typed_error(tmp_path: Path):

@@ -23,7 +23,7 @@ from tests.conftest import assert_same, save_hf_sharded
 from tests.faultproxy import FaultProxy
 from tests.objstore import htpasswd, oci_registry
 from weightstream.bench.demo import LlamaShape, llama_state_dict
-from weightstream.errors import IntegrityError, UnsupportedInputError
+from weightstream.errors import FormatError, IntegrityError, UnsupportedInputError
 from weightstream.save.push import push
 
 pytestmark = pytest.mark.slow
@@ -157,8 +157,61 @@ def test_a_tar_layer_is_read_in_place(registry, tmp_path: Path, no_leaks):
     }  # fmt: skip
     put_manifest(registry, "tests/modelkit", "v1", manifest, manifest["mediaType"])
     uri = f"oci://{registry}/tests/modelkit:v1"
-    assert weightstream.open(uri + "/weights", filter=()).plan.files  # the directory inside the layer
+    with weightstream.open(uri + "/weights", filter=()) as planned:
+        assert planned.plan.files  # the directory inside the layer
     assert_same(weightstream.load_weights(uri + "/weights"), state)
+
+
+def push_tar_layer(registry: str, repository: str, layer: bytes) -> str:
+    """A ModelKit-style artifact of one uncompressed tar layer; its URI."""
+    config = b"{}"
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.kitops.modelkit.config.v1+json", "digest": put_blob(
+            registry, repository, config), "size": len(config)},
+        "layers": [{"mediaType": "application/vnd.kitops.modelkit.model.v1.tar", "digest": put_blob(
+            registry, repository, layer), "size": len(layer)}],
+    }  # fmt: skip
+    put_manifest(registry, repository, "v1", manifest, manifest["mediaType"])
+    return f"oci://{registry}/{repository}:v1"
+
+
+def member_sized_by_pax(name: str, data: bytes, size_record: str) -> bytes:
+    """A tar member whose size is in its PAX record alone (its ustar field says 0), as writers store members of
+    8 GiB and more."""
+    info = tarfile.TarInfo(name)
+    info.size = 0
+    info.pax_headers = {"size": size_record}
+    header = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+    return header + data + bytes(-len(data) % tarfile.BLOCKSIZE)
+
+
+def test_a_member_sized_by_its_pax_record_is_read(registry, tmp_path: Path, no_leaks):
+    state = llama_state_dict(SHAPE, seed=5)
+    local = Path(save_hf_sharded(state, tmp_path / "ckpt", shards=1))
+    layer = b"".join(
+        member_sized_by_pax(f"weights/{path.name}", path.read_bytes(), str(path.stat().st_size))
+        for path in sorted(local.iterdir())
+    )
+    uri = push_tar_layer(registry, "tests/pax-sized", layer + bytes(2 * tarfile.BLOCKSIZE))
+    assert_same(weightstream.load_weights(uri + "/weights"), state)
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ("12x", r"a PAX size record is '12x', not a size in bytes"),
+        ("-5", r"a PAX size record is '-5', not a size in bytes"),
+        ("9" * 30, r"a PAX size record is '9{30}', not a size in bytes"),
+        ("999999", r"member 'weights/model.safetensors' at byte 1024 runs past the layer's end"),
+    ],
+)
+def test_a_bad_pax_size_is_refused_at_plan(registry, record, message, no_leaks):
+    layer = member_sized_by_pax("weights/model.safetensors", b"abcd", record) + bytes(2 * tarfile.BLOCKSIZE)
+    uri = push_tar_layer(registry, f"tests/bad-pax-{len(record)}-{record[:2].strip('-')}", layer)
+    with pytest.raises(FormatError, match=message):
+        weightstream.open(uri + "/weights", filter=()).close()
 
 
 def test_a_compressed_layer_is_refused_naming_its_media_type(registry, no_leaks):

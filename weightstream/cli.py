@@ -8,19 +8,19 @@ weightstream convert SRC DST --to sharded-state --tp N [--engine vllm|sglang] [-
                              [--max-file-mib M] [--json]
 weightstream push DIR oci://registry/repository:tag [--json]
 weightstream cache serve [--dir DIR] [--socket PATH] [--budget SIZE] [--group G] [--device cuda:N ...] [--json]
-weightstream cache ls|stats|stop|evict [KEY]|prefetch URI [--device cuda:N] [--socket PATH] [--json]
+weightstream cache ls|stats|stop [--wait]|evict KEY|URI|--all|prefetch URI [--device cuda:N] [--socket PATH] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import decimal
 import json
 import os
 import re
 import sys
 import time
-import unicodedata
 from collections.abc import Sequence
 
 import weightstream
@@ -31,9 +31,10 @@ from weightstream.errors import WeightstreamError
 from weightstream.formats.safetensors import DTYPE_NAMES
 from weightstream.nodecache.daemon.commands import add_cache_commands
 from weightstream.progress import ProgressBar
+from weightstream.terminal import printable
 
-UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"})
 """Unicode categories the human output of ``inspect`` escapes (JSON output stays exact)."""
+MAX_SIZE = 1 << 62
 SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -46,6 +47,13 @@ SIZE_UNITS = {
     "g": 10**9,
     "gb": 10**9,
     "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
 }
 
 
@@ -59,35 +67,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def _positive(text: str) -> int:
+    """A whole number of 1 or more."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a whole number of 1 or more: {text[:40]!r}")
+    return int(text)
+
+
 def parse_size(text: str) -> int:
-    """``"1GiB"`` -> 1073741824.
+    """``"1GiB"`` -> 1073741824: decimal (``k``, ``M``, ``G``, ``T``, with or without ``B``) and binary units (``KiB``
+    ... ``TiB``, and Kubernetes' ``Ki`` ... ``Ti``), at most 2**62 bytes.
 
     Example:
-        >>> parse_size("512MiB")
-        536870912
+        >>> parse_size("512MiB"), parse_size("2Gi"), parse_size("1T")
+        (536870912, 2147483648, 1000000000000)
     """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    match = re.fullmatch(r"\s*(\d{1,20}(?:\.\d{1,9})?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1GiB, 512MiB, 4G)")
-    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
-
-
-def printable(text: str) -> str:
-    """``text`` safe for a terminal: control and format characters (ANSI escapes, bidirectional
-    overrides, line separators) written as escapes, so a hostile header cannot drive the terminal.
-
-    Example:
-        >>> printable("model.\\x1b[2Jlayers")
-        'model.\\\\x1b[2Jlayers'
-    """
-    return "".join(
-        character if unicodedata.category(character) not in UNPRINTABLE else _escape(character) for character in text
-    )
-
-
-def _escape(character: str) -> str:
-    code = ord(character)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+        raise argparse.ArgumentTypeError(f"not a size: {text[:40]!r} (examples: 1GiB, 512MiB, 4G, 2Ti)")
+    size = int(decimal.Decimal(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+    if size > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"too large a size: {text[:40]!r} (at most {MAX_SIZE >> 60} EiB)")
+    return size
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -340,7 +341,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("src")
     convert.add_argument("dst")
     convert.add_argument("--to", required=True, help="the target format: sharded-state")
-    convert.add_argument("--tp", type=int, required=True, help="tensor-parallel ranks")
+    convert.add_argument("--tp", type=_positive, required=True, help="tensor-parallel ranks (1 or more)")
     convert.add_argument(
         "--rule",
         action="append",

@@ -521,7 +521,10 @@ def _read_runs(checkpoint: Checkpoint, spec: TensorSpec, runs: tuple[tuple[int, 
     ) as tensors:
         read.update(tensors)
     ordered = [read[piece.name] for piece in pieces]
-    return ordered[0] if len(ordered) == 1 else torch.cat(ordered)
+    joined = ordered[0] if len(ordered) == 1 else torch.cat(ordered)
+    # A tensor stored at an offset that is no multiple of its element size (a writer may put one there) is viewed
+    # from an aligned copy: torch views a dtype only at a storage offset its element size divides.
+    return joined.clone() if joined.storage_offset() % spec.dtype.itemsize else joined
 
 
 def _to_destination(values: torch.Tensor, opts: LoadOptions) -> torch.Tensor:

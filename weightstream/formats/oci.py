@@ -289,6 +289,29 @@ def parse_pax(data: bytes, what: str) -> dict[str, str]:
     return records
 
 
+MAX_SIZE_DIGITS = 19
+"""A PAX size of more digits than this is refused (19 decimal digits hold every size below 2**63)."""
+
+
+def pax_size(records: dict[str, str], stored: int, what: str) -> int:
+    """The size of the member the PAX ``records`` precede: their ``size`` if given, else ``stored`` (the ustar
+    header's).
+
+    Raises:
+        FormatError: a ``size`` record that is not a non-negative decimal number of at most 19 digits.
+
+    Example:
+        >>> pax_size({"size": "8589934592"}, 0, "layer"), pax_size({}, 3, "layer")
+        (8589934592, 3)
+    """
+    text = records.get("size")
+    if text is None:
+        return stored
+    if not text.isascii() or not text.isdigit() or len(text) > MAX_SIZE_DIGITS:
+        raise FormatError(f"{what}: a PAX size record is {text[:40]!r}, not a size in bytes")
+    return int(text)
+
+
 def member_path(name: str, what: str) -> str:
     """A tar member's name as an artifact path (``./`` dropped; absolute paths and ``..`` refused)."""
     return _clean_path(name.removeprefix("./"), what)

@@ -19,16 +19,19 @@ beside the checkpoint, and a conversion it does not allow is refused before anyt
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
 
 import torch
 
-from weightstream.errors import InvalidOptionError
+from weightstream.errors import FormatError, InvalidOptionError, WeightstreamError
+from weightstream.formats.strict_json import parse_json
+from weightstream.sources.regular import read_regular
 
 ENGINES = ("vllm", "sglang")
+MAX_CONFIG_BYTES = 1 << 20
+"""A model's ``config.json`` over this is refused (they are a few KiB)."""
 VOCAB_PADDING = 64
 """Both engines pad the vocabulary of their embedding and head to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)."""
 FUSED = (
@@ -59,12 +62,13 @@ def check_heads(source: str, tp: int) -> None:
     """
     path = os.path.join(source if os.path.isdir(source) else os.path.dirname(source), "config.json")
     try:
-        with open(path) as file:
-            config = json.load(file)
-    except (OSError, ValueError) as error:
+        config = parse_json(read_regular(path, MAX_CONFIG_BYTES).decode("utf-8"), FormatError, path)
+    except (WeightstreamError, UnicodeDecodeError) as error:
         raise InvalidOptionError(
             f"--engine needs the model's config.json beside the checkpoint ({path}): {error}"
         ) from None
+    if not isinstance(config, dict):
+        raise InvalidOptionError(f"{path}: a model's config.json is a JSON object, this is a {type(config).__name__}")
     heads = config.get("num_attention_heads")
     kv_heads = config.get("num_key_value_heads", heads)
     if not isinstance(heads, int) or not isinstance(kv_heads, int):

@@ -24,6 +24,7 @@ from weightstream.errors import SaveError, SourceError
 from weightstream.formats import oci
 from weightstream.sources.oci import OciStore
 from weightstream.sources.registry_auth import RegistryAuth
+from weightstream.sources.regular import open_regular
 
 WEIGHT = "application/vnd.cncf.model.weight.v1.raw"
 WEIGHT_CONFIG = "application/vnd.cncf.model.weight.config.v1.raw"
@@ -46,6 +47,7 @@ def push(
 
     Raises:
         SaveError: the directory holds no file, or the registry refused an upload.
+        UnsupportedInputError, NotFound: a FIFO, device, socket or dangling link among the files (before any upload).
         AccessDeniedError: the registry refused the credentials.
 
     Example:
@@ -63,6 +65,9 @@ def push(
     )
     if not paths:
         raise SaveError(f"{directory}: no files to push")
+    for path in paths:  # a FIFO, a device, a socket or a dangling link is refused before anything is sent
+        fd, _ = open_regular(os.path.join(directory, path))
+        os.close(fd)
     store = OciStore(storage_options)
     try:
         pusher = _Pusher(store, reference, RegistryAuth.of(reference, storage_options or {}, "pull,push"))
@@ -123,7 +128,8 @@ class _Pusher:
             if progress is not None:
                 progress(size)
             return 0
-        with open(path, "rb") as body:
+        fd, _ = open_regular(path)
+        with os.fdopen(fd, "rb") as body:
             self._upload(digest, size, body, progress)
         return size
 
@@ -201,7 +207,8 @@ def _send(method: str, url: str, headers: dict[str, str], body: Body) -> tuple[h
 
 def _file_digest(path: str) -> tuple[str, int]:
     digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as file:
+    fd, _ = open_regular(path)
+    with os.fdopen(fd, "rb") as file:
         while chunk := file.read(8 << 20):
             digest.update(chunk)
             size += len(chunk)

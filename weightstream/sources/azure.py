@@ -15,6 +15,8 @@ standard variables (``AZURE_STORAGE_CONNECTION_STRING``, ``AZURE_STORAGE_ACCOUNT
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import datetime
 import os
@@ -91,6 +93,14 @@ class AzureAccount:
                 "anon=True) or connection_string, or set AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME"
             )
         anonymous = bool(settings["anon"])
+        if key:
+            try:
+                base64.b64decode(str(key), validate=True)
+            except (binascii.Error, ValueError):
+                raise InvalidOptionError(
+                    f"az:// on {endpoint}: the account key is not base64 (copy it whole from the portal or "
+                    "`az storage account keys list`)"
+                ) from None
         if not (key or sas or anonymous):
             raise InvalidOptionError(
                 f"az:// on {endpoint}: no credentials: give account_key, sas_token or a connection string holding "
@@ -195,8 +205,24 @@ class AzureStore(ListedStore):
         )
 
     def _path(self, uri: str) -> str:
-        """``container/blob`` of an ``az://`` or ``abfs://`` URI."""
-        return uri.split("://", 1)[1]
+        """``container/blob`` of an ``az://`` or ``abfs://`` URI, ``abfs://container@account.dfs.core.windows.net/blob``
+        included (its account must be the one the options name).
+
+        Raises:
+            InvalidOptionError: an ``abfs://`` URI naming another account.
+        """
+        rest = uri.split("://", 1)[1]
+        head, slash, tail = rest.partition("/")
+        if "@" not in head:
+            return rest
+        container, _, host = head.partition("@")
+        account = host.split(".", 1)[0]
+        configured = self.account.account_name or _account_of(self.account.endpoint)
+        if account != configured:
+            raise InvalidOptionError(
+                f"{uri}: names account {account!r}, but the storage options are for {configured!r}"
+            )
+        return container + slash + tail
 
     def _metadata(self, uri: str, call: str, **options: Any) -> Any:
         """adlfs's coroutine of ``call``, run on its loop, each attempt bounded by the stall timeout and retried as

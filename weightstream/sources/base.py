@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from weightstream.errors import SourceChangedError
 
@@ -13,7 +13,8 @@ class Source(Protocol):
     uri: str
     size: int
     version: str | None
-    """The version reads are pinned to (an S3 ETag, a GCS generation, a local file's ``dev:inode:mtime_ns``)."""
+    """The version reads are pinned to (an S3 ETag, a GCS generation, a local file's
+    ``dev:inode:mtime_ns:ctime_ns``)."""
 
     def read(self, offset: int, nbytes: int) -> bytes:
         """Exactly ``nbytes`` from ``offset`` (small reads: headers, indexes)."""
@@ -31,6 +32,19 @@ class Source(Protocol):
 
     def close(self) -> None:
         """Release the descriptor or connection; idempotent."""
+
+
+@runtime_checkable
+class CheckedWhole(Protocol):
+    """A source whose integrity check covers more than its own bytes (an OCI blob holding it with other files) and
+    can be completed on demand: the node cache calls :meth:`verify_whole` before it publishes the file."""
+
+    def verify_whole(self) -> None:
+        """Check everything the source's integrity depends on, reading what was not read.
+
+        Raises:
+            IntegrityError: it does not match.
+        """
 
 
 class Store(Protocol):

@@ -29,6 +29,8 @@ class BlobHash:
         self.hashed_bytes = 0
         """Bytes hashed, and being hashed: the next piece to hash starts here."""
         self.checked = False
+        self.failure: IntegrityError | None = None
+        """Set when the blob was hashed whole and did not match: every later read of it raises this again."""
         self._hash = hashlib.sha256()
         self._ahead: dict[int, bytes] = {}
         self._ahead_bytes = 0
@@ -40,8 +42,9 @@ class BlobHash:
         """Bytes ``at..at+len(piece)`` of the blob, as read.
 
         Raises:
-            IntegrityError: they complete the blob and it does not hash to its digest.
+            IntegrityError: they complete the blob and it does not hash to its digest, or it was found not to before.
         """
+        self.raise_if_failed()
         deadline = time.monotonic() + WAIT_FOR_TURN_S
         with self._turn:
             while not self._done() and (self._hashing or at > self.hashed_bytes):
@@ -67,8 +70,19 @@ class BlobHash:
                 if self.hashed_bytes == self.size and not self.checked:
                     self._finish()
 
-    def gaps(self, limit: int) -> list[tuple[int, int]]:
-        """The unread ranges between what is hashed and what is held aside, if they total at most ``limit``."""
+    def raise_if_failed(self) -> None:
+        """Raise the :class:`IntegrityError` of a blob found not to match its digest (no read of it may pass)."""
+        if self.failure is not None:
+            raise self.failure
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether pieces came too far ahead of the hash to keep: the blob cannot be checked in line."""
+        return self._abandoned
+
+    def gaps(self, limit: int | None) -> list[tuple[int, int]]:
+        """The unread ranges between what is hashed and what is held aside, if they total at most ``limit``
+        (``None``: all of them)."""
         with self._turn:
             if self._done():
                 return []
@@ -79,7 +93,7 @@ class BlobHash:
                 at = max(at, start + len(self._ahead[start]))
             if at < self.size:
                 gaps.append((at, self.size - at))
-            return gaps if sum(nbytes for _, nbytes in gaps) <= limit else []
+            return gaps if limit is None or sum(nbytes for _, nbytes in gaps) <= limit else []
 
     def _done(self) -> bool:
         return self.checked or self._abandoned
@@ -114,4 +128,7 @@ class BlobHash:
         actual = "sha256:" + self._hash.hexdigest()
         self.checked = True
         if actual != self.digest:
-            raise IntegrityError(f"{self.what}: blob {self.digest} hashes to {actual} (corrupted in the registry)")
+            self.failure = IntegrityError(
+                f"{self.what}: blob {self.digest} hashes to {actual} (corrupted in the registry)"
+            )
+            raise self.failure

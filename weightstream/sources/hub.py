@@ -13,6 +13,7 @@ never a request). The token goes to the Hub only: a redirect to its CDN carries 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from weightstream.formats.index import INDEX_NAME, MAX_INDEX_BYTES, parse_index
 from weightstream.sources.base import Store
 from weightstream.sources.http import HttpStore, RedirectTrail
 from weightstream.sources.local import LocalStore
+from weightstream.sources.regular import read_regular
 from weightstream.sources.retry import RetryPolicy, Transient
 
 log = logger(__name__)
@@ -301,9 +303,12 @@ def cached_location(reference: HubReference, cache_dir: str) -> tuple[str | None
     if not COMMIT.fullmatch(commit):
         ref_file = os.path.join(repository, "refs", reference.revision)
         try:
-            with open(ref_file, "rb") as handle:
-                commit = handle.read(MAX_REF_BYTES).decode("ascii", "replace").strip()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            commit = read_regular(ref_file, MAX_REF_BYTES).decode("ascii", "replace").strip()
+        except NotFound:
+            return None, f"no {ref_file}"
+        except SourceError as error:
+            if error.errno not in (errno.ENOTDIR, errno.EISDIR):
+                raise
             return None, f"no {ref_file}"
         if not COMMIT.fullmatch(commit):
             return None, f"{ref_file} holds {commit[:60]!r}, not a commit hash"
@@ -322,8 +327,7 @@ def cached_location(reference: HubReference, cache_dir: str) -> tuple[str | None
             raise ShardIndexError(
                 f"{index}: {os.path.getsize(index)} bytes, over the {MAX_INDEX_BYTES}-byte limit for an index"
             )
-        with open(index, "rb") as handle:
-            shards = parse_index(handle.read(), index).shards
+        shards = parse_index(read_regular(index, MAX_INDEX_BYTES), index).shards
         missing = [shard for shard in shards if not os.path.isfile(os.path.join(target, shard))]
         if missing:
             return (
@@ -469,7 +473,10 @@ def _leaves_its_folder(path: str) -> bool:
 def _token_file(path: str) -> str | None:
     """The token ``huggingface-cli login`` saved, if any."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read(4096).strip() or None
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError):
+        return read_regular(path, 4096).decode("utf-8", "replace").strip() or None
+    except NotFound:
         return None
+    except SourceError as error:
+        if error.errno in (errno.ENOTDIR, errno.EISDIR, errno.EACCES):
+            return None
+        raise

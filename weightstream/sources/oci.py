@@ -47,10 +47,13 @@ from weightstream.sources.retry import RetryPolicy
 
 log = logger(__name__)
 
-STORAGE_OPTIONS = ("username", "password", "insecure")
-"""What ``storage_options`` may hold for ``oci://``: credentials, and ``insecure`` (plain HTTP)."""
+STORAGE_OPTIONS = ("username", "password", "anonymous", "insecure")
+"""What ``storage_options`` may hold for ``oci://``: credentials (or ``anonymous=True``: none, and no Docker login
+either), and ``insecure`` (plain HTTP)."""
 MAX_REDIRECTS = 5
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
+WHOLE_CHECK_CHUNK_BYTES = 8 << 20
+"""The reads :meth:`OciSource.verify_whole` makes of a blob's unread parts."""
 GAP_FILL_BYTES = 4 << 20
 """Unread bytes of a blob (tar headers, padding) read when its file closes, so that it can be checked."""
 
@@ -126,8 +129,9 @@ class OciStore(RemoteStore):
             unchecked = [state for state in self._hashes.values() if not state.checked]
             self._hashes.clear()
         for state in unchecked:
-            log.info(
-                "%s: blob %s not checked against its digest: %d of its %d bytes were read (a partial load)",
+            log.warning(
+                "%s: blob %s NOT checked against its digest: %d of its %d bytes were read (a partial load, or other "
+                "files share its tar layer; a load through the node cache checks whole blobs)",
                 state.what,
                 state.digest,
                 state.hashed_bytes,
@@ -147,6 +151,12 @@ class OciStore(RemoteStore):
         location = self._locations.pop(url, url)
         if _same_host(url, location):
             self._auth_for(source.reference).answer(denied.challenge, self.fetch, str(denied))
+
+    def rehash(self, file: oci.ArtifactFile, what: str) -> BlobHash:
+        """A fresh running hash of ``file``'s blob in place of one that could not check it in line."""
+        with self._lock:
+            state = self._hashes[file.digest] = BlobHash(file.digest, file.blob_size, what)
+            return state
 
     def hash_of(self, file: oci.ArtifactFile, what: str) -> BlobHash:
         """The running hash of ``file``'s blob (shared by every file and read of it in this store)."""
@@ -214,21 +224,23 @@ class OciStore(RemoteStore):
             if member is None:
                 break
             data = at + member.data_offset
-            if member.size > layer.size - data:
+            extended_header = member.kind in ("pax", "longname")
+            # A PAX record's size is the member's (Python's tarfile and Go write one for members of 8 GiB and more).
+            size = member.size if extended_header else oci.pax_size(pending, member.size, what)
+            if size > layer.size - data:
                 raise FormatError(f"{what}: member {member.name!r} at byte {at} runs past the layer's end")
-            if member.kind in ("pax", "longname"):
-                if member.size > oci.MAX_PAX_BYTES:
-                    raise FormatError(f"{what}: an extended header of {member.size} bytes at byte {at}")
-                extended = source.blob_bytes(data, member.size)
+            if extended_header:
+                if size > oci.MAX_PAX_BYTES:
+                    raise FormatError(f"{what}: an extended header of {size} bytes at byte {at}")
+                extended = source.blob_bytes(data, size)
                 pending = oci.parse_pax(extended, what) if member.kind == "pax" else {"path": _c_string(extended)}
             elif member.kind == "file":
                 name = pending.get("path", member.name)
-                size = int(pending.get("size", member.size))
                 files.append(oci.ArtifactFile(oci.member_path(name, what), layer.digest, layer.size, data, size))
                 pending = {}
             else:
                 pending = {}
-            at += member.next_offset
+            at = data + -(-size // oci.TAR_BLOCK) * oci.TAR_BLOCK
         return files
 
     def _resolve_blob(self, reference: oci.Reference, url: str) -> str:
@@ -328,10 +340,34 @@ class OciSource:
         self.store.hash_of(self.file, self.uri).feed(at, buffer)
 
     def verify_unchanged(self) -> None:
-        """Check the blob against its digest once all of it is hashed, reading small gaps the load skipped."""
+        """Check the blob against its digest once all of it is hashed, reading small gaps the load skipped.
+
+        Raises:
+            IntegrityError: the blob does not hash to its digest (now, or when an earlier read found it).
+        """
         state = self.store.hash_of(self.file, self.uri)
+        state.raise_if_failed()
         for at, nbytes in state.gaps(GAP_FILL_BYTES):
             self.blob_into(at, memoryview(bytearray(nbytes)))
+
+    def verify_whole(self) -> None:
+        """Check the whole blob that holds this file against its digest, reading whatever of it was not read (the
+        other files of a tar layer, its headers), however much that is: what the node cache does before it
+        publishes a file, so that it never serves bytes of a blob it has not checked.
+
+        Raises:
+            IntegrityError: the blob does not hash to its digest.
+        """
+        state = self.store.hash_of(self.file, self.uri)
+        state.raise_if_failed()
+        if state.abandoned:  # pieces came too far out of order to hash in line: hash it again, in order
+            state = self.store.rehash(self.file, self.uri)
+        for at, nbytes in state.gaps(None):
+            for offset in range(at, at + nbytes, WHOLE_CHECK_CHUNK_BYTES):
+                self.blob_into(offset, memoryview(bytearray(min(WHOLE_CHECK_CHUNK_BYTES, at + nbytes - offset))))
+        state.raise_if_failed()
+        if not state.checked:
+            raise IntegrityError(f"{self.uri}: blob {self.file.digest} could not be checked against its digest")
 
     def close(self) -> None:
         """Nothing to release: connections belong to the store."""

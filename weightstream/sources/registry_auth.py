@@ -4,6 +4,7 @@ challenge starts (``Bearer realm=...,service=...``), from ``storage_options`` or
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import threading
@@ -11,10 +12,14 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from weightstream.errors import AccessDeniedError
+from weightstream.errors import AccessDeniedError, FormatError, NotFound, SourceError
 from weightstream.formats import oci
+from weightstream.formats.strict_json import parse_json
+from weightstream.sources.regular import read_regular
 
 MAX_TOKEN_BYTES = 1 << 20
+MAX_CONFIG_BYTES = 1 << 20
+"""A Docker config file over this is refused."""
 Exchange = tuple[Any, bytes]
 """An HTTP answer and its body."""
 Fetch = Callable[[str, Mapping[str, str], int], Exchange]
@@ -36,9 +41,10 @@ class RegistryAuth:
 
     @classmethod
     def of(cls, reference: oci.Reference, options: Mapping[str, Any], actions: str = "pull") -> RegistryAuth:
-        """The credentials ``options`` give (``username``, ``password``), else those ``docker login`` stored."""
+        """The credentials ``options`` give (``username``, ``password``), else (unless ``anonymous``) those
+        ``docker login`` stored."""
         username, password = options.get("username"), options.get("password")
-        if username is None:
+        if username is None and not options.get("anonymous"):
             username, password = docker_credentials(reference.registry)
         return cls(reference, username, password, actions)
 
@@ -118,9 +124,16 @@ def docker_credentials(registry: str) -> tuple[str | None, str | None]:
     """
     path = os.path.join(os.environ.get("DOCKER_CONFIG") or os.path.expanduser("~/.docker"), "config.json")
     try:
-        with open(path) as config:
-            auths = json.load(config).get("auths", {})
-    except (OSError, ValueError, AttributeError):
+        config = read_regular(path, MAX_CONFIG_BYTES)
+    except NotFound:
+        return None, None
+    except SourceError as error:
+        if error.errno in (errno.ENOTDIR, errno.EISDIR, errno.EACCES):
+            return None, None
+        raise
+    try:
+        auths = parse_json(config.decode("utf-8"), FormatError, path).get("auths", {})
+    except (FormatError, UnicodeDecodeError, AttributeError):
         return None, None
     entry = auths.get(registry) or auths.get(f"https://{registry}") or auths.get(f"http://{registry}")
     if not isinstance(entry, dict):
