@@ -11,7 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from typing_extensions import Self
@@ -22,9 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 class Daemon:
     """``with Daemon(directory, socket) as daemon:``; started listening, stopped (SIGTERM) at the end."""
 
-    def __init__(self, directory: Path, socket_path: Path, *extra: str) -> None:
+    def __init__(
+        self, directory: Path, socket_path: Path, *extra: str, wrap: Callable[[list[str]], list[str]] | None = None
+    ) -> None:
         self.directory, self.socket = directory, socket_path
         self.extra = extra
+        self.wrap = wrap
+        """Makes the command run another way (as another user: ``tests.other_user.as_user``)."""
         self.process: subprocess.Popen[str] | None = None
         self.status: dict = {}
         self.log_path = socket_path.with_suffix(".log")
@@ -32,8 +36,12 @@ class Daemon:
     def start(self) -> Daemon:
         command = [sys.executable, "-m", "weightstream.cli", "cache", "serve", "--dir", str(self.directory)]
         command += ["--socket", str(self.socket), "--json", *self.extra]
+        if self.wrap is not None:
+            command = self.wrap(command)
         with open(self.log_path, "a") as log:
-            self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+            self.process = subprocess.Popen(
+                command, cwd="/" if self.wrap else ROOT, stdout=subprocess.PIPE, stderr=log, text=True
+            )
         line = self.process.stdout.readline()  # type: ignore[union-attr]
         if not line:
             self.process.wait(timeout=30)
@@ -93,12 +101,14 @@ def running_daemon(prefix: str, *extra: str) -> Iterator[Daemon]:
 
 
 def request(socket_path: Path, message: dict) -> dict:
-    """The daemon's answer to ``message`` (any descriptor it carries closed)."""
+    """The daemon's answer to ``message`` (any descriptor it carries closed); a local file an ``attach`` or ``device``
+    names goes as a descriptor, as the client sends it."""
     from weightstream.nodecache.client import CacheClient
 
     client = CacheClient(str(socket_path))
     try:
-        answer, fds = client.request(message)
+        names_a_file = message.get("op") in ("attach", "device")
+        answer, fds = client.request_file(message) if names_a_file else client.request(message)
         for fd in fds:
             os.close(fd)
         return answer

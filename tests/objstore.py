@@ -4,6 +4,7 @@ started as subprocesses on 127.0.0.1 and stopped by pid (see the team's objstore
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -59,10 +60,11 @@ def _weed() -> str:
 
 
 @contextlib.contextmanager
-def seaweedfs(directory: Path) -> Iterator[tuple[str, str]]:
+def seaweedfs(directory: Path, identities: list[dict] | None = None) -> Iterator[tuple[str, str]]:
     """An S3 endpoint with bucket ``bench``; yields its URL and the URL under which its filer serves
     the bucket over plain HTTP (ranges, ETags, ``If-Match``). Every port is chosen free (its side services'
-    defaults are fixed: two at once, as pytest-xdist's workers start them, would collide)."""
+    defaults are fixed: two at once, as pytest-xdist's workers start them, would collide). ``identities``
+    (SeaweedFS's S3 identities: name, credentials, actions) are enforced beside the admin of :data:`KEYS`."""
     port, filer_port = free_port(), free_port()
     side_ports = [
         f"-{name}={free_port()}"
@@ -95,6 +97,15 @@ def seaweedfs(directory: Path) -> Iterator[tuple[str, str]]:
         f"-bucket={BUCKET}",
         *side_ports,
     ]
+    if identities is not None:
+        admin = {
+            "name": "admin",
+            "credentials": [{"accessKey": KEYS["AWS_ACCESS_KEY_ID"], "secretKey": KEYS["AWS_SECRET_ACCESS_KEY"]}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+        }
+        config = directory / "s3-identities.json"
+        config.write_text(json.dumps({"identities": [admin, *identities]}))
+        command.append(f"-s3.config={config}")
     sockets_before = set(Path("/tmp").glob("seaweedfs-*.sock"))
     with open(log, "wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ, **KEYS})

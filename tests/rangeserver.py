@@ -31,6 +31,10 @@ class Misbehaviour:
     """Answer every request with ``302 Location: <redirect_to><path>`` (a Hub sending its clients to a CDN)."""
     forbid_next: int = 0
     """Answer this many of the next GETs ``403`` (an expired presigned URL)."""
+    delay_s: float = 0.0
+    """Wait this long before answering each range GET (a slow store: clients pile up behind one fill)."""
+    forbid_from: int | None = None
+    """Answer ``403`` to every range GET that starts at or past this byte (credentials revoked mid-read)."""
 
 
 class QuietHandler(http.server.BaseHTTPRequestHandler):
@@ -91,6 +95,15 @@ class RangeServer(LoopbackServer):
                     return
                 if body and outer.misbehave.forbid_next > 0:
                     outer.misbehave.forbid_next -= 1
+                    self.send_response(403)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                start = re.match(r"bytes=(\d+)-", self.headers.get("Range") or "")
+                if body and start and outer.misbehave.delay_s:
+                    time.sleep(outer.misbehave.delay_s)
+                forbid_from = outer.misbehave.forbid_from
+                if body and start and forbid_from is not None and int(start[1]) >= forbid_from:
                     self.send_response(403)
                     self.send_header("Content-Length", "0")
                     self.end_headers()

@@ -69,6 +69,24 @@ def test_a_header_rewritten_in_place_is_a_changed_source(tmp_path: Path, loader,
         dict(stream)
 
 
+def test_a_file_rewritten_with_its_mtime_set_back_is_a_changed_source(tmp_path: Path, no_leaks):
+    directory, _ = checkpoint(tmp_path / "v1", seed=1)
+    shard = directory / "model-00002-of-00002.safetensors"
+    stream = weightstream.iter_weights(str(directory))
+    before = shard.stat()
+    time.sleep(0.05)  # change times are kept at the kernel's tick: a rewrite in the same tick would not show
+    with open(shard, "r+b") as file:  # same size, other bytes, and the modification time put back
+        file.seek(-4, os.SEEK_END)
+        file.write(b"\xff\xff\xff\xff")
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert shard.stat().st_mtime_ns == before.st_mtime_ns
+    with pytest.raises(
+        weightstream.SourceChangedError,
+        match=rf"{shard.name}: was modified \(ctime_ns {before.st_ctime_ns} -> \d+, its mtime unchanged\)",
+    ):
+        dict(stream)
+
+
 def test_a_file_written_while_it_is_read_fails_the_load_after_the_reads(tmp_path: Path, no_leaks):
     directory, _ = checkpoint(tmp_path / "v1", seed=1)
     shard = directory / "model-00001-of-00002.safetensors"

@@ -314,3 +314,22 @@ def test_hub_ids_of_engines_resolve_as_the_engines_do(hub_environment, sharded, 
         model_weights("org/tiny", "v2", None, {})
     assert urllib.parse.unquote(hub.hub_uri("org/tiny", "refs/pr/3")) == "hf://org/tiny@refs/pr/3"
     assert os.path.isdir(snapshot)
+
+
+def test_a_private_repository_reads_through_the_cache_with_the_callers_token_sent_to_the_hub_only(
+    hub_environment, monkeypatch, sharded, tmp_path, no_leaks
+):
+    from tests.cache_daemon import running_daemon
+
+    directory, state = sharded
+    with HubServer(tmp_path / "hub", token="hf_secret") as server, running_daemon("hub") as daemon:
+        server.publish("org/private", directory)
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)  # the daemon has no token of its own
+        loaded = weightstream.load_weights(
+            "hf://org/private", cache=str(daemon.socket), storage_options={"token": "hf_secret"}, zero_copy=False
+        )
+        assert_same(loaded, state)
+        assert set(server.authorizations) == {"Bearer hf_secret"}
+        assert server.cdn.authorizations and set(server.cdn.authorizations) == {None}, "the token went to the CDN"
+        with pytest.raises(weightstream.NotFound, match=r"the token was refused or does not grant it"):
+            weightstream.load_weights("hf://org/private", cache=str(daemon.socket), storage_options={"token": "x"})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -16,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 import weightstream
 from tests.cache_daemon import ROOT
@@ -406,3 +408,67 @@ def test_an_expired_redirect_is_asked_for_again_and_the_range_resumes(tmp_path: 
             assert_same(dict(stream), state)
     blob_reads = [line for line in storage.requests[before:] if line.startswith("GET /docker/registry/v2/blobs/")]
     assert len(blob_reads) > 3 and storage.misbehave.forbid_next == 0, "the expired URL was met, then replaced"
+
+
+def corrupt_blob(registry_directory: Path, digest: str, at: int = -1) -> None:
+    """Flip a byte of the registry's own copy of blob ``digest``: it serves what it stores, under that digest."""
+    hex_digest = digest.split(":", 1)[1]
+    stored = registry_directory / "data/docker/registry/v2/blobs/sha256" / hex_digest[:2] / hex_digest / "data"
+    flipped = bytearray(stored.read_bytes())
+    flipped[at] ^= 0xFF
+    stored.write_bytes(bytes(flipped))
+
+
+def test_a_corrupted_blob_is_never_published_by_the_cache_however_often_it_is_asked(
+    registry, registry_directory, tmp_path: Path, no_leaks
+):
+    from tests.cache_daemon import request, running_daemon
+
+    uri, _ = pushed(registry, tmp_path, "corrupted-cached", seed=11, shards=1)  # a blob of its own
+    manifest, _ = manifest_of(registry, "tests/corrupted-cached", "v1")
+    weights = next(layer for layer in manifest["layers"] if layer["annotations"]["org.cncf.model.filepath"].endswith(
+        ".safetensors"))  # fmt: skip
+    corrupt_blob(registry_directory, weights["digest"])
+    with running_daemon("oci") as daemon:
+        for _ in range(3):  # the first fill fails; no later one may skip the check the first one finished
+            with pytest.raises(IntegrityError, match=rf"blob {weights['digest']} hashes to"):
+                weightstream.load_weights(uri, cache=str(daemon.socket))
+        entries = request(daemon.socket, {"op": "ls"})["entries"]
+        stats = request(daemon.socket, {"op": "stats"})
+    assert not [entry for entry in entries if entry["uri"].endswith(".safetensors")], entries
+    assert stats["fill_errors"] == 3
+
+
+def tar_artifact_with_a_tokenizer(registry: str, tmp_path: Path, repository: str) -> tuple[str, dict, str, int]:
+    """A tar layer holding the weights and a 5 MiB tokenizer after them: (uri, state, layer digest, weights' end)."""
+    state = llama_state_dict(SHAPE, seed=6)
+    local = Path(save_hf_sharded(state, tmp_path / "ckpt", shards=1))
+    (local / "tokenizer.json").write_bytes(os.urandom(5 << 20))
+    stream = io.BytesIO()
+    with tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name in ("model.safetensors.index.json", "model-00001-of-00001.safetensors", "tokenizer.json"):
+            if (local / name).exists():
+                archive.add(local / name, arcname=f"weights/{name}")
+    layer = stream.getvalue()
+    uri = push_tar_layer(registry, repository, layer)
+    weights = (local / "model-00001-of-00001.safetensors").read_bytes()
+    last_weight_byte = layer.index(weights) + len(weights) - 1
+    return uri, state, "sha256:" + hashlib.sha256(layer).hexdigest(), last_weight_byte
+
+
+def test_weights_in_a_tar_layer_with_a_large_tokenizer_are_checked_by_the_cache_and_warned_of_directly(
+    registry, registry_directory, tmp_path: Path, caplog, no_leaks
+):
+    from tests.cache_daemon import running_daemon
+
+    uri, state, digest, last_weight_byte = tar_artifact_with_a_tokenizer(registry, tmp_path, "tests/tokenizer-after")
+    corrupt_blob(registry_directory, digest, at=last_weight_byte)  # a weight's byte; the tokenizer is after it
+    with caplog.at_level("WARNING", logger="weightstream"):
+        loaded = weightstream.load_weights(uri + "/weights")  # reads the weights, not the tokenizer: unchecked
+    assert not all(torch.equal(loaded[name], state[name]) for name in state)
+    warned = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert any(f"blob {digest} NOT checked against its digest" in message for message in warned), warned
+    with running_daemon("oci-tar") as daemon:
+        for _ in range(2):
+            with pytest.raises(IntegrityError, match=rf"blob {digest} hashes to"):
+                weightstream.load_weights(uri + "/weights", cache=str(daemon.socket))

@@ -7,7 +7,8 @@ weightstream bench [URI] [--device cuda] [--size 1GiB] [--layers N] [--rounds 3]
 weightstream convert SRC DST --to sharded-state --tp N [--engine vllm|sglang] [--rule PATTERN=DIM ...]
                              [--max-file-mib M] [--json]
 weightstream push DIR oci://registry/repository:tag [--json]
-weightstream cache serve [--dir DIR] [--socket PATH] [--budget SIZE] [--group G] [--device cuda:N ...] [--json]
+weightstream cache serve [--dir DIR] [--socket PATH] [--budget SIZE] [--group G] [--device cuda:N ...]
+                         [--idle-timeout S] [--stop-timeout S] [--json]
 weightstream cache ls|stats|stop [--wait]|evict KEY|URI|--all|prefetch URI [--device cuda:N] [--socket PATH] [--json]
 """
 

@@ -229,3 +229,12 @@ class CacheProtocolError(CacheError, ValueError):
 class CacheFullError(CacheError, MemoryError):
     """The cache cannot hold an entry: its budget, the memory available or the daemon's cgroup limit would be
     exceeded (refused before any byte is read, never left to the kernel's OOM killer)."""
+
+
+class CacheInUseError(CacheError, RuntimeError):
+    """The cache directory (or socket) is another running daemon's: two daemons never share one."""
+
+
+class CacheConfigError(CacheError, ValueError):
+    """An option of ``weightstream cache serve`` is invalid (a size, a group, a directory, a device, a timeout):
+    refused before anything starts."""

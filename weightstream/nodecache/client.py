@@ -21,10 +21,14 @@ once in the log).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
+import pwd
+import select
 import socket
+import struct
 import threading
 from collections.abc import Mapping
 from typing import Protocol
@@ -35,27 +39,35 @@ from weightstream import errors
 from weightstream.errors import (
     CacheError,
     CacheProtocolError,
+    CacheRefusedError,
     CacheUnavailableError,
     DeviceUnavailableError,
     SourceChangedError,
     TruncatedFileError,
     logger,
 )
-from weightstream.nodecache.protocol import MAX_ANSWER_BYTES, close_all, head_digest, receive, send
+from weightstream.nodecache.protocol import HEAD_BYTES, MAX_ANSWER_BYTES, close_all, head_digest, receive, send
 from weightstream.sources.base import Source, Store
+from weightstream.sources.http import HttpStore
+from weightstream.sources.regular import open_regular
 
 log = logger(__name__)
 
 ENVIRONMENT = "WEIGHTSTREAM_CACHE"
 """The variable naming the daemon's socket for ``cache="auto"``."""
+OWNER_ENVIRONMENT = "WEIGHTSTREAM_CACHE_UID"
+"""The variable naming a daemon's user (besides this process's own and root) whose bytes a client accepts."""
+PEER_CREDENTIALS = struct.Struct("3i")
 CONNECT_TIMEOUT_S = 5.0
 ANSWER_TIMEOUT_S = 3600.0
 """An attach waits for a fill, which may read a large file from a slow store."""
 
 
 def default_socket() -> str:
-    """Where the daemon listens unless told otherwise: ``$XDG_RUNTIME_DIR/weightstream-cache.sock``, or
-    ``/tmp/weightstream-cache-<uid>.sock``.
+    """Where the daemon listens unless told otherwise, in a directory no other user can create first:
+    ``$XDG_RUNTIME_DIR/weightstream-cache.sock``, else ``/run/weightstream/cache.sock`` for root, else
+    ``/tmp/weightstream-<uid>/cache.sock`` (the daemon makes that directory, owner-only; a client refuses it if
+    another user made it).
 
     Example:
         >>> default_socket().endswith(".sock")
@@ -64,7 +76,30 @@ def default_socket() -> str:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "weightstream-cache.sock")
-    return f"/tmp/weightstream-cache-{os.getuid()}.sock"
+    if os.getuid() == 0:
+        return "/run/weightstream/cache.sock"
+    return f"/tmp/weightstream-{os.getuid()}/cache.sock"
+
+
+def trusted_uids() -> set[int]:
+    """The users a client takes a daemon's bytes from: itself, root, and the one ``$WEIGHTSTREAM_CACHE_UID`` names
+    (a uid or a user name: a daemon run as a dedicated user).
+
+    Raises:
+        CacheRefusedError: ``$WEIGHTSTREAM_CACHE_UID`` names no user.
+
+    Example:
+        >>> {0, os.getuid()} <= trusted_uids()
+        True
+    """
+    trusted = {0, os.getuid()}
+    named = os.environ.get(OWNER_ENVIRONMENT, "").strip()
+    if named:
+        try:
+            trusted.add(int(named) if named.isdigit() else pwd.getpwnam(named).pw_uid)
+        except KeyError:
+            raise CacheRefusedError(f"${OWNER_ENVIRONMENT}={named[:64]!r}: no such user") from None
+    return trusted
 
 
 def resolve_socket(cache: str) -> tuple[str, bool]:
@@ -80,31 +115,30 @@ def resolve_socket(cache: str) -> tuple[str, bool]:
 
 
 class CacheClient:
-    """One connection to the daemon; requests on it are serialised (one at a time)."""
+    """One connection to the daemon, checked to be served by a trusted user (:func:`trusted_uids`); requests on it
+    are serialised (one at a time)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
         self._socket = _connect(path)
 
-    def request(self, message: Mapping[str, object]) -> tuple[dict[str, object], list[int]]:
-        """Send ``message``; the answer and its descriptors (the caller closes them). A connection the daemon
-        closed (it drops clients silent for a while, or it restarted) is opened again, once.
+    def request(self, message: Mapping[str, object], fds: tuple[int, ...] = ()) -> tuple[dict[str, object], list[int]]:
+        """Send ``message`` (with ``fds``); the answer and its descriptors (the caller closes them). A connection the
+        daemon closed before the request (it drops clients silent for a while, or it restarted) is opened again;
+        a request that reached the daemon is never sent twice.
 
         Raises:
-            the typed error the daemon answered with (a ``CacheError`` for anything it did not type).
+            the typed error the daemon answered with (its class, message and errno; its cause as ``__cause__``).
+            CacheUnavailableError: the daemon went away before answering.
         """
         with self._lock:
-            try:
-                answer, fds = self._exchange(message)
-            except CacheUnavailableError:
-                self._socket.close()
-                self._socket = _connect(self.path)
-                answer, fds = self._exchange(message)
+            if _closed_by_peer(self._socket):
+                self._reconnect()
+            answer, received = self._exchange(message, fds)
         if answer.get("ok") is True:
-            return answer, fds
-        for fd in fds:
-            os.close(fd)
+            return answer, received
+        close_all(received)
         raise _typed_error(answer, self.path)
 
     def attach(
@@ -115,24 +149,53 @@ class CacheClient:
         storage_options: Mapping[str, object] | None = None,
     ) -> tuple[dict[str, object], list[int]]:
         """Ask for the segment of ``uri`` (at ``version``, of ``size`` bytes, if given): the answer and its descriptor
-        (the caller closes it). The daemon fills the segment first if it has none."""
-        message = {"op": "attach", "uri": daemon_uri(uri), "size": size, "version": version}
-        return self.request({**message, "storage_options": dict(storage_options or {})})
+        (the caller closes it). The daemon fills the segment first if it has none. A local file is opened here, with
+        this process's rights, and passed to the daemon as a descriptor: the daemon reads what this process can.
+
+        Raises:
+            NotFound, SourceError, UnsupportedInputError: a local file this process cannot open (or not a regular
+                file); the daemon's typed errors otherwise.
+        """
+        message = {"op": "attach", "uri": uri, "size": size, "version": version}
+        return self.request_file({**message, "storage_options": dict(storage_options or {})})
+
+    def request_file(self, message: Mapping[str, object]) -> tuple[dict[str, object], list[int]]:
+        """:meth:`request` of a message naming a file (``uri``): a local one is opened here and goes as a
+        descriptor, its path made absolute (the daemon has a working directory of its own)."""
+        uri = daemon_uri(str(message["uri"]))
+        if "://" in uri:
+            return self.request(message)
+        fd, _ = open_regular(uri)
+        try:
+            return self.request({**message, "uri": uri}, (fd,))
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         self._socket.close()
 
-    def _exchange(self, message: Mapping[str, object]) -> tuple[dict[str, object], list[int]]:
+    def _reconnect(self) -> None:
+        self._socket.close()
+        self._socket = _connect(self.path)
+
+    def _exchange(self, message: Mapping[str, object], fds: tuple[int, ...]) -> tuple[dict[str, object], list[int]]:
         """One request and its answer. A daemon that closed the connection may have said why first (a refused
-        client): that answer is read even when sending failed."""
+        client): that answer is read even when sending failed; without one, the request never reached a daemon and
+        is sent once more on a new connection."""
         what = f"the answer of the cache daemon at {self.path}"
         try:
-            send(self._socket, message)
+            send(self._socket, message, fds)
         except (BrokenPipeError, ConnectionResetError) as error:
             try:
                 return receive(self._socket, MAX_ANSWER_BYTES, what)
-            except OSError:
-                raise CacheUnavailableError(f"the cache daemon at {self.path} closed the connection") from error
+            except (OSError, CacheUnavailableError):
+                pass
+            try:
+                self._reconnect()
+                send(self._socket, message, fds)
+            except OSError as again:
+                raise CacheUnavailableError(f"the cache daemon at {self.path} closed the connection") from again
+            del error
         try:
             return receive(self._socket, MAX_ANSWER_BYTES, what)
         except TimeoutError as error:
@@ -144,26 +207,53 @@ class CacheClient:
 
 
 def daemon_uri(uri: str) -> str:
-    """``uri`` as the daemon reads it: a local path made absolute (the daemon has a working directory of its own).
+    """``uri`` as the daemon names it: a local path (``file://`` or not) made absolute (the daemon has a working
+    directory of its own; the file itself goes as a descriptor), any other URI as it is.
 
     Example:
-        >>> daemon_uri("s3://bucket/model.safetensors")
-        's3://bucket/model.safetensors'
+        >>> daemon_uri("s3://bucket/model.safetensors"), daemon_uri("file:///m/model.safetensors")
+        ('s3://bucket/model.safetensors', '/m/model.safetensors')
     """
-    return uri if "://" in uri else os.path.abspath(uri)
+    path = uri.removeprefix("file://")
+    return path if "://" in path else os.path.abspath(path)
 
 
 def _connect(path: str) -> socket.socket:
+    """A connection to the daemon at ``path``, once the kernel says a trusted user serves it (``SO_PEERCRED``).
+
+    Raises:
+        CacheUnavailableError: nothing listens there.
+        CacheRefusedError: another user listens there (a socket squatted before the daemon started).
+    """
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     connection.settimeout(CONNECT_TIMEOUT_S)
     try:
         connection.connect(path)
+        pid, uid, _ = PEER_CREDENTIALS.unpack(
+            connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEER_CREDENTIALS.size)
+        )
+        trusted = trusted_uids()
     except OSError as error:
         connection.close()
         reason = "no such socket" if error.errno == errno.ENOENT else (error.strerror or str(error))
         raise CacheUnavailableError(f"no weightstream cache daemon at {path}: {reason}") from error
+    except BaseException:
+        connection.close()
+        raise
+    if uid not in trusted:
+        connection.close()
+        raise CacheRefusedError(
+            f"{path}: the process listening there is uid {uid} (pid {pid}), not this user (uid {os.getuid()}), root "
+            f"or ${OWNER_ENVIRONMENT}: its bytes are not taken"
+        )
     connection.settimeout(ANSWER_TIMEOUT_S)
     return connection
+
+
+def _closed_by_peer(connection: socket.socket) -> bool:
+    """Whether the daemon closed ``connection`` (or sent something unasked) since the last answer."""
+    readable, _, _ = select.select([connection], [], [], 0)
+    return bool(readable)  # an end of file, a reset, or bytes unasked for: a fresh connection in every case
 
 
 class CopySources(Protocol):
@@ -193,8 +283,10 @@ class CachedStore:
         self.client = client
         self.lists = inner.lists
         self._copy_sources = copy_sources
+        # An HTTP store (the Hub's among them) says what recreates its reads: its headers, a token for the Hub only.
+        options = inner.storage_options() if isinstance(inner, HttpStore) else storage_options
         try:
-            self._storage_options = json.loads(json.dumps(dict(storage_options or {})))
+            self._storage_options = json.loads(json.dumps(dict(options or {})))
         except (TypeError, ValueError) as error:
             raise CacheProtocolError(f"storage_options must be JSON to travel to the cache daemon: {error}") from error
         self._segments: dict[str, SegmentSource] = {}
@@ -259,14 +351,8 @@ class CachedStore:
         Raises:
             CacheFullError: the GPU has no room for it; CacheError: the daemon keeps no copies on that GPU.
         """
-        request = {
-            "op": "device",
-            "uri": daemon_uri(segment.uri),
-            "size": segment.size,
-            "version": segment.version,
-            "gpu": uuid,
-        }
-        answer, fds = self.client.request({**request, "storage_options": self._storage_options})
+        request = {"op": "device", "uri": segment.uri, "size": segment.size, "version": segment.version, "gpu": uuid}
+        answer, fds = self.client.request_file({**request, "storage_options": self._storage_options})
         allocation = answer.get("allocation_bytes")
         if len(fds) != 1 or answer.get("size") != segment.size or answer.get("gpu") != uuid:
             close_all(fds)
@@ -305,7 +391,7 @@ class SegmentSource:
             if size
             else torch.empty(0, dtype=torch.uint8)
         )
-        if head_digest(memoryview(self._bytes.numpy())) != head:
+        if head_digest(self._host_bytes(0, min(size, HEAD_BYTES))) != head:
             raise CacheProtocolError(f"{uri}: the cache's segment does not match the checksum of its first bytes")
 
     @property
@@ -328,7 +414,11 @@ class SegmentSource:
 
     def read(self, offset: int, nbytes: int) -> bytes:
         self._check_range(offset, nbytes)
-        return self._bytes[offset : offset + nbytes].numpy().tobytes()
+        return self._host_bytes(offset, nbytes)
+
+    def _host_bytes(self, offset: int, nbytes: int) -> bytes:
+        """A copy of ``nbytes`` from ``offset`` of the mapping (read through its address: no numpy)."""
+        return ctypes.string_at(self._bytes.data_ptr() + offset, nbytes) if nbytes else b""
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         self._check_range(offset, len(buffer))
@@ -372,9 +462,19 @@ def _log_once(message: str) -> None:
 
 
 def _typed_error(answer: Mapping[str, object], path: str) -> Exception:
+    """The error the daemon's answer carries, as its own type (a ``CacheError`` for a type this package does not
+    know), with its errno and, as ``__cause__``, what caused it in the daemon."""
     name, message = answer.get("error"), answer.get("message")
     text = f"{message}" if isinstance(message, str) else f"the cache daemon at {path} answered {dict(answer)!r:.300}"
     kind = getattr(errors, name, None) if isinstance(name, str) else None
     if isinstance(kind, type) and issubclass(kind, errors.WeightstreamError):
-        return kind(text)
-    return CacheError(f"cache daemon at {path}: {text}")
+        error: Exception = kind(text)
+    else:
+        error = CacheError(f"cache daemon at {path}: {text}")
+    number = answer.get("errno")
+    if isinstance(number, int) and not isinstance(number, bool):
+        error.errno = number  # type: ignore[attr-defined]
+    cause = answer.get("cause")
+    if isinstance(cause, str):
+        error.__cause__ = CacheError(f"in the cache daemon at {path}: {cause}")
+    return error

@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import struct
+import time
 from collections.abc import Mapping
 
 from weightstream.errors import CacheProtocolError, CacheUnavailableError, FormatError
@@ -41,9 +42,10 @@ OPERATIONS: dict[str, dict[str, tuple[type, ...]]] = {
         "storage_options": (dict,),
         "gpu": (str,),
     },
+    "room": {"bytes": (int,), "uri": (str,)},
     "ls": {},
     "stats": {},
-    "evict": {"key": (str, type(None))},
+    "evict": {"key": (str, type(None)), "uri": (str,), "all": (bool,)},
     "stop": {},
 }
 """Each operation and the fields its request may hold (with their types); ``op`` is always there."""
@@ -70,20 +72,25 @@ def send(sock: socket.socket, message: Mapping[str, object], fds: tuple[int, ...
         sock.sendall(data[sent:])
 
 
-def receive(sock: socket.socket, limit: int, what: str) -> tuple[dict[str, object], list[int]]:
-    """The next message on ``sock`` (at most ``limit`` bytes of JSON) and the descriptors that came with it.
+def receive(
+    sock: socket.socket, limit: int, what: str, deadline: float | None = None
+) -> tuple[dict[str, object], list[int]]:
+    """The next message on ``sock`` (at most ``limit`` bytes of JSON) and the descriptors that came with it, whole
+    by ``deadline`` (``time.monotonic()``) if given, however its bytes trickle in; else within the socket's timeout
+    of each other.
 
     Raises:
         CacheUnavailableError: the peer closed the connection before a whole message.
+        TimeoutError: ``deadline`` passed first.
         CacheProtocolError: a message over ``limit``, not JSON, or not an object (its descriptors closed).
     """
     fds: list[int] = []
     try:
-        header = _receive_exactly(sock, LENGTH.size, fds, what)
+        header = _receive_exactly(sock, LENGTH.size, fds, what, deadline)
         (length,) = LENGTH.unpack(header)
         if length > limit:
             raise CacheProtocolError(f"{what}: a message of {length} bytes; at most {limit} are accepted")
-        body = _receive_exactly(sock, length, fds, what)
+        body = _receive_exactly(sock, length, fds, what, deadline)
         try:
             message = parse_json(body.decode("utf-8"), FormatError, what)
         except (UnicodeDecodeError, FormatError) as error:
@@ -116,10 +123,10 @@ def check_request(message: Mapping[str, object]) -> str:
             continue
         if name not in fields:
             raise CacheProtocolError(f"{op} request: unknown field {name[:40]!r}")
-        if isinstance(value, bool) or not isinstance(value, fields[name]):
+        if (isinstance(value, bool) and bool not in fields[name]) or not isinstance(value, fields[name]):
             allowed = " or ".join("null" if kind is type(None) else kind.__name__ for kind in fields[name])
             raise CacheProtocolError(f"{op} request: {name!r} must be {allowed}, got {type(value).__name__}")
-    for required in {"attach": ("uri",), "device": ("uri", "gpu")}.get(op, ()):
+    for required in {"attach": ("uri",), "device": ("uri", "gpu"), "room": ("bytes",)}.get(op, ()):
         if required not in message:
             raise CacheProtocolError(f"{op} request: {required!r} is missing")
     return op
@@ -142,9 +149,14 @@ def close_all(fds: list[int]) -> None:
     fds.clear()
 
 
-def _receive_exactly(sock: socket.socket, nbytes: int, fds: list[int], what: str) -> bytes:
+def _receive_exactly(sock: socket.socket, nbytes: int, fds: list[int], what: str, deadline: float | None) -> bytes:
     chunks, received = [], 0
     while received < nbytes:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{what}: not whole in time ({received} of {nbytes} bytes)")
+            sock.settimeout(left)
         data, ancillary, flags, _ = sock.recvmsg(nbytes - received, socket.CMSG_SPACE(MAX_FDS * 4))
         for level, kind, payload in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import functools
 import os
 import threading
-import weakref
 from types import ModuleType
 
 import torch
 
 from weightstream.errors import CacheFullError, DeviceMemoryError, DeviceUnavailableError
 from weightstream.memory.pinning import INSTALL_HINT
+from weightstream.nodecache.dlpack import tensor_at
 
 
 @functools.cache
@@ -180,22 +180,6 @@ def unmap_allocation(address: int, nbytes: int) -> None:
     bindings.cuMemAddressFree(address, nbytes)
 
 
-class _ImportedMemory:
-    """An imported allocation mapped read-only, as ``__cuda_array_interface__`` for torch; unmapped when the last
-    tensor over it dies."""
-
-    def __init__(self, address: int, nbytes: int, allocation_bytes: int, index: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (address, False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        }
-        weakref.finalize(self, _unmap_import, address, allocation_bytes, index).atexit = False
-
-
 def _unmap_import(address: int, allocation_bytes: int, index: int) -> None:
     """Unmap an imported allocation once the device is done with it: torch frees a tensor's memory as its last
     reference dies, while kernels queued before may still read it (torch's own allocator waits on streams; a
@@ -229,8 +213,12 @@ def import_read_only(fd: int, nbytes: int, allocation_bytes: int, index: int, wh
             address = map_allocation(handle, allocation_bytes, index, writable=False)
         finally:
             bindings.cuMemRelease(handle)  # the mapping holds the memory now
-    memory = _ImportedMemory(address, nbytes, allocation_bytes, index)
-    return torch.as_tensor(memory, device=torch.device("cuda", index))
+    view = tensor_at(
+        address, nbytes, torch.device("cuda", index), lambda: _unmap_import(address, allocation_bytes, index)
+    )
+    if view.data_ptr() != address:  # a copy would be memory of torch's, not the daemon's copy
+        raise DeviceMemoryError(f"{what}: the imported copy at {address:#x} came back at {view.data_ptr():#x}")
+    return view
 
 
 def _describe(bindings: ModuleType, status: object) -> str:

@@ -46,7 +46,8 @@ class FileSpec:
     """Where the data section starts (after the 8-byte length and the header)."""
     metadata: Mapping[str, str]
     version: str | None = None
-    """The version the header was read from (an S3 ETag, a GCS generation, a local file's ``dev:inode:mtime_ns``)."""
+    """The version the header was read from (an S3 ETag, a GCS generation, a local file's
+    ``dev:inode:mtime_ns:ctime_ns``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -128,6 +128,18 @@ class HttpStore(RemoteStore):
             location, {**self.headers_for(source.uri, location), "If-Match": source.version}, "ETag", source.version
         )
 
+    def storage_options(self) -> dict[str, object]:
+        """The options that make a store of this one's reads (its headers, credentials included) in another process:
+        what the node cache daemon reads this store's files with, a Hub token among them (sent to the Hub only).
+
+        Example:
+            >>> store = HttpStore({"headers": {"Authorization": "Bearer t"}})
+            >>> store.storage_options()
+            {'headers': {'Authorization': 'Bearer t'}}
+            >>> store.close()
+        """
+        return {"headers": dict(self.headers)}
+
     def headers_for(self, uri: str, location: str) -> dict[str, str]:
         """The caller's headers for a request to ``location`` on behalf of ``uri``: without credentials
         (``Authorization``, ``Proxy-Authorization``, ``Cookie``) once a redirect has left ``uri``'s host,

@@ -16,13 +16,15 @@ Hugging Face cache links every snapshot file into its blob store.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import stat
 from typing import TYPE_CHECKING, Literal
 
 from typing_extensions import Self
 
-from weightstream.errors import SourceChangedError, SourceError, TruncatedFileError, logger
-from weightstream.sources.pagecache import resident_fraction
+from weightstream.errors import SourceChangedError, SourceError, TruncatedFileError, UnsupportedInputError, logger
+from weightstream.sources.pagecache import fd_resident_fraction, resident_fraction
 from weightstream.sources.regular import open_regular
 
 if TYPE_CHECKING:
@@ -52,6 +54,52 @@ class LocalFile:
         self.size = status.st_size
         self.version = identity(status)
         """Device, inode and modification time when opened: what the reads are pinned to."""
+
+    @classmethod
+    def from_descriptor(cls, fd: int, name: str, *, direct: DirectMode = False) -> LocalFile:
+        """The file open at ``fd``, which the result takes over (and closes, even when this raises): what a process
+        that may not open ``name`` itself reads when another process opened it and passed it over (the node cache
+        daemon reads what its clients open). ``name`` is for messages only. ``direct="auto"`` reads it directly
+        when it is mostly not in the page cache and its filesystem allows it.
+
+        Raises:
+            UnsupportedInputError: ``fd`` is not a regular file open for reading.
+
+        Example:
+            >>> source = LocalFile.from_descriptor(os.open("/etc/hostname", os.O_RDONLY), "/etc/hostname")
+            >>> source.size == os.stat("/etc/hostname").st_size
+            True
+            >>> source.close()
+        """
+        try:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode):
+                raise UnsupportedInputError(f"{name}: the descriptor passed is not of a regular file")
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            # O_PATH needs no read permission: its descriptor proves nothing of what its holder may read.
+            if flags & os.O_ACCMODE == os.O_WRONLY or flags & os.O_PATH:
+                raise UnsupportedInputError(f"{name}: the descriptor passed is not open for reading")
+            try:
+                os.pread(fd, 1, 0)
+            except OSError as error:
+                raise UnsupportedInputError(f"{name}: the descriptor passed cannot be read: {error.strerror}") from None
+            wanted = (
+                direct if direct != "auto" else fd_resident_fraction(fd, status.st_size, name) < DIRECT_BELOW_RESIDENCY
+            )
+            if bool(wanted) != bool(flags & os.O_DIRECT):
+                try:
+                    fcntl.fcntl(fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if wanted else (flags & ~os.O_DIRECT))
+                except OSError as error:
+                    if direct is True:
+                        raise SourceError(f"{name}: cannot read with O_DIRECT: {error.strerror}") from error
+                    wanted = False  # the filesystem refuses O_DIRECT: through the page cache
+        except BaseException:
+            os.close(fd)
+            raise
+        source = cls.__new__(cls)
+        source._fd, source.uri, source.direct = fd, name, bool(wanted)
+        source.size, source.version = status.st_size, identity(status)
+        return source
 
     def read(self, offset: int, nbytes: int) -> bytes:
         buffer = bytearray(nbytes)
@@ -156,13 +204,15 @@ class LocalStore:
 
 
 def identity(status: os.stat_result) -> str:
-    """A local file's version: ``dev:inode:mtime_ns`` (its size is checked beside it).
+    """A local file's version: ``dev:inode:mtime_ns:ctime_ns`` (its size is checked beside it). The change time is
+    there because a writer can set the modification time back (``os.utime``) but never the change time: a file
+    rewritten in place at the same size, its mtime restored, is still another version.
 
     Example:
         >>> identity(os.stat("/")).count(":")
-        2
+        3
     """
-    return f"{status.st_dev}:{status.st_ino}:{status.st_mtime_ns}"
+    return f"{status.st_dev}:{status.st_ino}:{status.st_mtime_ns}:{status.st_ctime_ns}"
 
 
 def check_identity(path: str, planned_size: int, planned_version: str | None, status: os.stat_result) -> None:
@@ -176,15 +226,19 @@ def check_identity(path: str, planned_size: int, planned_version: str | None, st
     now = identity(status)
     if now == planned_version:
         return
-    planned_device, planned_inode, planned_mtime = planned_version.split(":")
+    planned_device, planned_inode, planned_mtime, planned_ctime = (planned_version.split(":") + ["", "", "", ""])[:4]
     if (planned_device, planned_inode) != (str(status.st_dev), str(status.st_ino)):
         raise SourceChangedError(
             f"{path}: was replaced by another file (inode {planned_inode} -> {status.st_ino}) after its header was "
             "read; load again"
         )
+    change = (
+        f"mtime_ns {planned_mtime} -> {status.st_mtime_ns}"
+        if planned_mtime != str(status.st_mtime_ns)
+        else f"ctime_ns {planned_ctime} -> {status.st_ctime_ns}, its mtime unchanged"
+    )
     raise SourceChangedError(
-        f"{path}: was modified (mtime_ns {planned_mtime} -> {status.st_mtime_ns}) after its header was read; its bytes "
-        "may not match the header"
+        f"{path}: was modified ({change}) after its header was read; its bytes may not match the header"
     )
 
 

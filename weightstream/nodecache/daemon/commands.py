@@ -7,14 +7,22 @@ import contextlib
 import grp
 import json
 import logging
+import math
+import os
+import re
 import sys
+import time
 from collections.abc import Callable
 
-from weightstream.errors import CacheError, DeviceUnavailableError
-from weightstream.nodecache.client import CacheClient, default_socket, resolve_socket
+from weightstream.errors import CacheConfigError, CacheError, DeviceUnavailableError, redact
+from weightstream.nodecache.client import ENVIRONMENT, CacheClient, daemon_uri, default_socket, resolve_socket
 from weightstream.nodecache.daemon.server import default_directory, run_daemon
 from weightstream.nodecache.protocol import close_all
 from weightstream.progress import ProgressBar
+from weightstream.terminal import printable
+
+STOP_WAIT_S = 120.0
+"""How long ``cache stop --wait`` waits (the daemon gives fills ``--stop-timeout``, 30 s by default)."""
 
 
 def add_cache_commands(
@@ -32,7 +40,11 @@ def add_cache_commands(
         "--socket", default=None, help=f"where to listen (default $WEIGHTSTREAM_CACHE or {default_socket()})"
     )
     serve.add_argument("--budget", type=parse_size, default=None, help="most bytes held (default: as memory allows)")
-    serve.add_argument("--group", default=None, help="also serve this group's processes (name or gid)")
+    serve.add_argument(
+        "--group",
+        default=None,
+        help="also serve this group's processes (name or gid); they read only what they could read themselves",
+    )
     serve.add_argument("--json", action="store_true", help="print the daemon's status as JSON once it listens")
     serve.add_argument(
         "--huge-pages",
@@ -51,17 +63,28 @@ def add_cache_commands(
     )
     serve.add_argument(
         "--idle-timeout",
-        type=float,
+        type=_seconds,
         default=10.0,
-        help="seconds a client may stay silent mid-conversation (default 10)",
+        help="seconds within which a client's request must arrive whole (default 10)",
+    )
+    serve.add_argument(
+        "--stop-timeout",
+        type=_seconds,
+        default=30.0,
+        help="on SIGTERM, seconds fills in progress get to finish before they are cancelled (default 30)",
     )
     serve.set_defaults(run=_serve)
-    for name, text in (("ls", "list the entries"), ("stats", "the daemon's counters"), ("stop", "stop the daemon")):
+    for name, text in (("ls", "list the entries"), ("stats", "the daemon's counters")):
         action = actions.add_parser(name, help=text)
         _add_socket(action)
         action.set_defaults(run=_simple, op=name)
-    evict = actions.add_parser("evict", help="remove an entry (or every unreferenced one)")
-    evict.add_argument("key", nargs="?", default=None)
+    stop = actions.add_parser("stop", help="stop the daemon")
+    stop.add_argument("--wait", action="store_true", help="return once the daemon has stopped (its socket gone)")
+    _add_socket(stop)
+    stop.set_defaults(run=_stop, op="stop")
+    evict = actions.add_parser("evict", help="remove entries no process uses: by key, by URI (a file or a directory)")
+    evict.add_argument("entry", nargs="?", default=None, metavar="KEY|URI")
+    evict.add_argument("--all", action="store_true", help="every entry no process uses")
     _add_socket(evict)
     evict.set_defaults(run=_simple, op="evict")
     prefetch = actions.add_parser("prefetch", help="fill the cache with a checkpoint before its engine starts")
@@ -88,40 +111,110 @@ def _socket(args: argparse.Namespace) -> str:
     return resolve_socket(args.socket or "auto")[0]
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"seconds must be positive and finite, got {text[:40]!r}")
+    return value
+
+
+def _group(name: str | None) -> int | None:
+    """The gid ``--group`` names (a group name or a number)."""
+    if name is None:
+        return None
+    if name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise CacheConfigError(f"--group {printable(name[:64])}: no such group") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s weightstream-cache %(levelname)s %(message)s")
-    group = (
-        None if args.group is None else (int(args.group) if args.group.isdigit() else grp.getgrnam(args.group).gr_gid)
-    )
     return run_daemon(
         args.dir,
         _socket(args),
         args.budget,
-        group=group,
+        group=_group(args.group),
         status=args.json,
         idle_timeout_s=args.idle_timeout,
+        stop_timeout_s=args.stop_timeout,
         huge_pages=args.huge_pages,
         devices=args.device,
+        default_socket=args.socket is None and not os.environ.get(ENVIRONMENT),
     )
 
 
 def _simple(args: argparse.Namespace) -> int:
-    client = CacheClient(_socket(args))
-    try:
-        message: dict[str, object] = {"op": args.op}
-        if args.op == "evict":
-            message["key"] = args.key
-        answer, _ = client.request(message)
-    finally:
-        client.close()
-    answer.pop("ok", None)
+    message: dict[str, object] = {"op": args.op}
+    if args.op == "evict":
+        if args.entry is None and not args.all:
+            raise CacheError("evict: name a KEY or a URI, or pass --all for every entry no process uses")
+        if args.entry is not None:
+            is_key = re.fullmatch(r"[0-9a-f]{32}", args.entry) is not None
+            message["key" if is_key else "uri"] = args.entry if is_key else daemon_uri(args.entry)
+        else:
+            message["all"] = True
+    answer = _ask(args, message)
     if args.json:
         print(json.dumps(answer))
     elif args.op == "ls":
-        for entry in answer["entries"]:  # type: ignore[attr-defined]
-            print(f"{entry['key']}  {entry['size']:>14}  refs {len(entry['references']):>3}  {entry['uri']}")
+        print(_table(answer["entries"]))  # type: ignore[arg-type]
+    elif args.op == "evict":
+        evicted, kept = answer["evicted"], answer["kept_referenced"]
+        print(f"evicted {len(evicted)} entries" + (f"; kept {len(kept)} in use" if kept else ""))  # type: ignore[arg-type]
     else:
-        print("\n".join(f"{key}: {value}" for key, value in answer.items()))
+        print("\n".join(f"{key}: {printable(str(value))}" for key, value in answer.items()))
+    return 0
+
+
+def _ask(args: argparse.Namespace, message: dict[str, object]) -> dict[str, object]:
+    """The daemon's answer to ``message``, less its ``ok``."""
+    client = CacheClient(_socket(args))
+    try:
+        answer, fds = client.request(message)
+        close_all(fds)
+    finally:
+        client.close()
+    answer.pop("ok", None)
+    return answer
+
+
+def _table(entries: list[dict[str, object]]) -> str:
+    """``ls`` for people: a header row, sizes in GiB, URIs redacted and safe for a terminal."""
+    if not entries:
+        return "the cache is empty"
+    rows = [("KEY", "GIB", "REFS", "URI")]
+    rows += [
+        (
+            str(entry["key"]),
+            f"{int(entry['size']) / 2**30:.3f}",  # type: ignore[call-overload]
+            str(len(entry["references"])),  # type: ignore[arg-type]
+            printable(redact(str(entry["uri"]))),
+        )
+        for entry in entries
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    return "\n".join(f"{row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]}" for row in rows)
+
+
+def _stop(args: argparse.Namespace) -> int:
+    """``cache stop [--wait]``."""
+    path = _socket(args)
+    answer = _ask(args, {"op": "stop"})
+    if args.wait:
+        deadline = time.monotonic() + STOP_WAIT_S
+        while os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise CacheError(f"the cache daemon at {path} did not stop within {STOP_WAIT_S:.0f} s")
+            time.sleep(0.05)
+        answer["stopped"] = True
+    print(json.dumps(answer) if args.json else ("stopped" if args.wait else "stopping"))
     return 0
 
 
@@ -136,6 +229,8 @@ def _prefetch(args: argparse.Namespace) -> int:
     keys = []
     gpus: object = []
     try:
+        # A node warmed by halves is cold: the whole checkpoint must fit before any file is filled (or evicts one).
+        client.request({"op": "room", "bytes": total, "uri": daemon_uri(args.uri)})
         with contextlib.nullcontext() if bar is None else bar.expecting(total):
             for path, size in files:
                 answer, fds = client.attach(path)
@@ -148,8 +243,10 @@ def _prefetch(args: argparse.Namespace) -> int:
         client.close()
     if args.device is not None:
         _prefetch_device(args, gpus)
-    result = {"uri": args.uri, "files": len(files), "bytes": total, "keys": keys, "device": args.device}
-    print(json.dumps(result) if args.json else f"cached {len(files)} files, {total / 2**30:.3f} GiB of {args.uri}")
+    uri = redact(args.uri)
+    result = {"uri": uri, "files": len(files), "bytes": total, "keys": keys, "device": args.device}
+    said = f"cached {len(files)} files, {total / 2**30:.3f} GiB of {printable(uri)}"
+    print(json.dumps(result) if args.json else said)
     return 0
 
 

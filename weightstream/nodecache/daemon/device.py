@@ -50,7 +50,10 @@ class DeviceTier:
     def __init__(self, devices: list[str]) -> None:
         self._index: dict[str, int] = {}
         for name in devices:
-            device = torch.device(name)
+            try:
+                device = torch.device(name)
+            except RuntimeError:
+                raise DeviceUnavailableError(f"--device {name[:64]!r}: name a GPU as cuda:N") from None
             if device.type != "cuda" or device.index is None:
                 raise DeviceUnavailableError(f"--device {name!r}: name a GPU as cuda:N")
             try:

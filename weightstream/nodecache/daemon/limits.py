@@ -6,6 +6,10 @@ from __future__ import annotations
 import contextlib
 import os
 
+from weightstream.errors import logger
+
+log = logger(__name__)
+
 MEMORY_RESERVE_BYTES = 256 << 20
 """Left free when checking a fill against the memory available and the cgroup's limit."""
 
@@ -91,3 +95,29 @@ def _room_of(directory: str, limit_name: str, usage_name: str) -> int | None:
             return int(limit) - int(usage_file.read())
     except (OSError, ValueError):
         return None
+
+
+def clamp_budget(budget: int, directory: str) -> int:
+    """``budget``, or less where the machine's memory or the filesystem ``directory`` is on (or will be on) cannot
+    hold that much: clamped to the smaller, with a warning.
+
+    Example:
+        >>> clamp_budget(1 << 20, "/dev/shm")
+        1048576
+    """
+    limits = {}
+    with contextlib.suppress(OSError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemTotal:"):
+                limits["the machine's memory (MemTotal)"] = int(line.split()[1]) * 1024
+    existing = directory
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    with contextlib.suppress(OSError):
+        filesystem = os.statvfs(existing)
+        limits[f"the filesystem of {directory}"] = filesystem.f_blocks * filesystem.f_frsize
+    for what, limit in limits.items():
+        if budget > limit:
+            log.warning("--budget %d is more than %s holds (%d bytes): clamped to it", budget, what, limit)
+            budget = limit
+    return budget

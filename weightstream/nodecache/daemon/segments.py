@@ -17,27 +17,97 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import json
 import mmap
 import os
+import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 
-from weightstream.errors import CacheError, CacheFullError, FormatError, logger
+from weightstream.errors import CacheConfigError, CacheError, CacheUnavailableError, FormatError, logger, redact
 from weightstream.formats.strict_json import parse_json
+from weightstream.nodecache.daemon.directory import MARKER, is_cache_file
 from weightstream.nodecache.daemon.limits import MEMORY_RESERVE_BYTES, cgroup_room, mem_available, tmpfs_huge_pages
 from weightstream.nodecache.daemon.references import KEY, references
 from weightstream.nodecache.protocol import HEAD_BYTES, head_digest
-from weightstream.sources.base import Source
+from weightstream.sources.base import CheckedWhole, Source
 from weightstream.sources.local import DIRECT_ALIGNMENT
 
 log = logger(__name__)
 
 FILL_CHUNK_BYTES = 8 << 20
 """The fill's read requests."""
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+CANCEL_POLL_S = 0.1
+"""How often a fill looks whether it was cancelled (the daemon stopping)."""
 MANIFEST_VERSION = 2
+
+
+LOCAL_FILE = "local-file"
+"""What stands for the URI in a local file's key: a local entry is keyed by the file's identity (device, inode,
+modification and change times) and size, never its path, so another path to the same file is the same entry and a
+path that names another file is never it."""
+SIGNING_PARAMETERS = frozenset(
+    {
+        "sig",
+        "sv",
+        "ss",
+        "srt",
+        "sp",
+        "se",
+        "st",
+        "spr",
+        "sr",
+        "si",
+        "sdd",
+        "ses",
+        "skoid",
+        "sktid",
+        "skt",
+        "ske",
+        "sks",
+        "skv",
+        "saoid",
+        "suoid",
+        "scid",
+        "signature",
+        "expires",
+        "key-pair-id",
+        "policy",
+        "token",
+        "access_token",
+    }
+)
+"""Query parameters that sign a URL (Azure SAS fields, CloudFront's, tokens) rather than name what it serves;
+``X-Amz-*`` and ``X-Goog-*`` too."""
+
+
+def unsigned(uri: str) -> str:
+    """``uri`` without the query parameters that sign it: what a re-signed URL of the same object shares (the key
+    then also holds the object's size and ETag, so an entry still names one version of one object).
+
+    Example:
+        >>> unsigned("https://a.blob.core.windows.net/c/m.safetensors?sv=2022-11-02&se=2026-12-06&sig=abc&x=1")
+        'https://a.blob.core.windows.net/c/m.safetensors?x=1'
+    """
+    parts = urllib.parse.urlsplit(uri)
+    if not parts.query:
+        return uri
+    kept = [
+        (name, value)
+        for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        if name.lower() not in SIGNING_PARAMETERS and not name.lower().startswith(("x-amz-", "x-goog-"))
+    ]
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(kept)))
 
 
 def segment_key(uri: str, size: int, version: str | None) -> str:
@@ -93,20 +163,13 @@ class SegmentStore:
         self.budget = budget
         self._on_evict = on_evict
         """Told each evicted key (the daemon drops the segment's device copies)."""
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        status = os.stat(directory)
-        if status.st_uid != os.getuid() or status.st_mode & 0o022:
-            raise CacheError(
-                f"{directory}: the cache directory must belong to this user (uid {os.getuid()}) and be writable by it "
-                f"alone; it is uid {status.st_uid}, mode {oct(status.st_mode & 0o777)}"
-            )
         self.filesystem_huge_pages = tmpfs_huge_pages(directory)
         """The ``huge=`` policy of the tmpfs holding the directory (``never``, ``always``, ``within_size``,
         ``advise``), or ``None`` where it is no tmpfs."""
         if huge_pages not in ("auto", "on", "off"):
-            raise CacheError(f"huge_pages must be auto, on or off, got {huge_pages!r}")
+            raise CacheConfigError(f"huge_pages must be auto, on or off, got {huge_pages!r}")
         if huge_pages == "on" and self.filesystem_huge_pages in (None, "never", "deny"):
-            raise CacheError(
+            raise CacheConfigError(
                 f"{directory}: huge pages asked for, but its filesystem gives none (tmpfs huge="
                 f"{self.filesystem_huge_pages}); mount one for the cache: mount -t tmpfs -o size=SIZE,huge=always "
                 f"tmpfs DIR"
@@ -123,39 +186,12 @@ class SegmentStore:
     def path(self, key: str) -> str:
         return os.path.join(self.directory, f"{key}.seg")
 
-    def open_segment(self, key: str) -> int:
-        """A read-only descriptor of segment ``key``'s file (the caller closes it)."""
-        self.segments[key].last_used = time.time()
-        return os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
-
-    def make_room(self, size: int, referenced: Callable[[], set[str]], uri: str) -> None:
-        """Evict unreferenced segments, least recently used first, until ``size`` more bytes fit the budget,
-        the filesystem and the memory the daemon may still charge; or raise before anything is read.
-        ``referenced`` (the keys in use: a scan of ``/proc``) is asked only when something must go.
-
-        Raises:
-            CacheFullError: ``size`` cannot fit even with every unreferenced segment evicted.
-        """
-        if self._shortfall(size) is None:
-            return
-        in_use = referenced()
-        evictable = sorted(
-            (segment for key, segment in self.segments.items() if key not in in_use), key=lambda s: s.last_used
-        )
-        while (shortfall := self._shortfall(size)) is not None:
-            if not evictable:
-                raise CacheFullError(f"{uri}: {size} bytes do not fit the cache: {shortfall}")
-            victim = evictable.pop(0)
-            log.info(
-                "evicting %s (%s, %d bytes, unused since %.0f)", victim.key, victim.uri, victim.size, victim.last_used
-            )
-            self.evict(victim.key)
-
-    def fill(self, key: str, source: Source, threads: int) -> Segment:
+    def fill(self, key: str, source: Source, threads: int, cancel: threading.Event | None = None) -> Segment:
         """Read ``source`` whole into a new segment ``key`` and publish it (file, then manifest).
 
         Safe to run outside the daemon's lock: it writes only its own temporary file until it renames it.
-        On any error the temporary file is removed and nothing is published.
+        On any error the temporary file is removed and nothing is published. Once ``cancel`` is set, reads not yet
+        started raise :class:`CacheUnavailableError` (the daemon is stopping).
         """
         started = time.perf_counter()
         temporary = os.path.join(self.directory, f"tmp-{key}-{os.getpid()}-{time.monotonic_ns()}")
@@ -166,9 +202,11 @@ class SegmentStore:
                     # Direct reads fill whole blocks: the file is padded while it fills, then cut to its size.
                     padded = -(-source.size // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT if source.direct else source.size
                     os.ftruncate(fd, padded)
-                    _read_whole(source, fd, padded, threads, self.advise_huge_pages)
+                    _read_whole(source, fd, padded, threads, self.advise_huge_pages, cancel)
                     os.ftruncate(fd, source.size)
                 source.verify_unchanged()
+                if isinstance(source, CheckedWhole):
+                    source.verify_whole()  # only bytes of a blob checked whole are ever published
                 head = head_digest(os.pread(fd, min(source.size, HEAD_BYTES), 0)) if source.size else head_digest(b"")
                 os.fchmod(fd, 0o444)
             finally:
@@ -179,7 +217,7 @@ class SegmentStore:
                 os.unlink(temporary)
             raise
         segment = Segment(
-            key, source.uri, source.size, source.version, head, time.perf_counter() - started, time.time()
+            key, redact(source.uri), source.size, source.version, head, time.perf_counter() - started, time.time()
         )
         self._write_manifest(segment)
         return segment
@@ -201,21 +239,22 @@ class SegmentStore:
         """Processes that map (or hold open) each segment: key -> pids, read from ``/proc``."""
         return references(self.directory)
 
-    def _shortfall(self, size: int) -> str | None:
-        """Why ``size`` more bytes do not fit now, or None if they do."""
-        if self.budget is not None and self.used_bytes + size > self.budget:
-            return f"the budget is {self.budget} bytes and {self.used_bytes} are held"
+    def shortfall(self, size: int, freed: int = 0) -> str | None:
+        """Why ``size`` more bytes do not fit now (with ``freed`` bytes of segments evicted first), or None if they
+        do: the budget, the directory's filesystem, the machine's memory, the daemon's memory cgroup."""
+        if self.budget is not None and self.used_bytes - freed + size > self.budget:
+            return f"the budget is {self.budget} bytes and {self.used_bytes - freed} are held"
         free = os.statvfs(self.directory)
-        if free.f_bavail * free.f_frsize < size:
+        if free.f_bavail * free.f_frsize + freed < size:
             return f"{self.directory} has {free.f_bavail * free.f_frsize} bytes free"
         available = mem_available()
-        if available is not None and available - MEMORY_RESERVE_BYTES < size:
+        if available is not None and available + freed - MEMORY_RESERVE_BYTES < size:
             return (
                 f"the machine has {available} bytes of memory available (MemAvailable), "
                 f"{MEMORY_RESERVE_BYTES} kept free"
             )
         room = cgroup_room()
-        if room is not None and room - MEMORY_RESERVE_BYTES < size:
+        if room is not None and room + freed - MEMORY_RESERVE_BYTES < size:
             return (
                 f"the daemon's memory cgroup may be charged {room} more bytes (its limit less its usage), shared "
                 f"memory is charged to it, {MEMORY_RESERVE_BYTES} kept free"
@@ -241,7 +280,10 @@ class SegmentStore:
         kept = {f"{key}{suffix}" for key in self.segments for suffix in (".json", ".seg")}
         discarded = 0
         for name in names:
-            if name not in kept:
+            if not is_cache_file(name):
+                if name != MARKER:
+                    log.warning("%s: not a file of the cache's; left alone", os.path.join(self.directory, name))
+            elif name not in kept:
                 with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                     os.unlink(os.path.join(self.directory, name))
                     discarded += 1
@@ -272,25 +314,53 @@ class SegmentStore:
         return segment
 
 
-def _read_whole(source: Source, fd: int, length: int, threads: int, huge_pages: bool) -> None:
+def _read_whole(
+    source: Source, fd: int, length: int, threads: int, huge_pages: bool, cancel: threading.Event | None = None
+) -> None:
     """Read all of ``source`` into the file ``fd`` (already ``length`` bytes: its size, or padded to whole blocks for
-    direct reads) through a shared mapping."""
-    with mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mapping:
+    direct reads) through a shared mapping, unmapped before this returns or raises (after a cancel, the reads under
+    way are not waited for: their mapping stays until the process ends, and the daemon is stopping).
+
+    The mapping is made with ``mmap(2)`` itself, not Python's ``mmap`` module: a view of the latter that outlives
+    the fill (an error's traceback keeps the frames that wrote into it) would keep the whole segment's memory.
+
+    Raises:
+        the first read's error, as the source raised it (every other read stopped first).
+        CacheUnavailableError: ``cancel`` was set before the reads were done.
+    """
+    address = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address in (None, _MAP_FAILED):
+        raise CacheError(f"{source.uri}: cannot map {length} bytes for its fill: {os.strerror(ctypes.get_errno())}")
+    pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="weightstream-cache-fill")
+    failure: BaseException | None = None
+    abandoned = False
+    try:
         if huge_pages:
-            with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages
-                mapping.madvise(mmap.MADV_HUGEPAGE)
-        view = memoryview(mapping)
-        try:
-            offsets = range(0, length, FILL_CHUNK_BYTES)
-            with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="weightstream-cache-fill") as pool:
-                reads = [
-                    pool.submit(source.read_into, offset, view[offset : offset + FILL_CHUNK_BYTES])
-                    for offset in offsets
-                ]
-                for read in concurrent.futures.as_completed(reads):
-                    if read.exception() is not None:
-                        for other in reads:
-                            other.cancel()
-                        raise read.exception()  # type: ignore[misc]
-        finally:
-            view.release()
+            _libc.madvise(address, length, mmap.MADV_HUGEPAGE)  # refused without transparent huge pages: 4 KiB pages
+        view = memoryview((ctypes.c_ubyte * length).from_address(address)).cast("B")
+        reads = [
+            pool.submit(_read_piece, source, offset, view[offset : offset + FILL_CHUNK_BYTES], cancel)
+            for offset in range(0, length, FILL_CHUNK_BYTES)
+        ]
+        del view
+        pending = set(reads)
+        while pending and failure is None:
+            done, pending = concurrent.futures.wait(pending, CANCEL_POLL_S, concurrent.futures.FIRST_EXCEPTION)
+            failure = next((read.exception() for read in done if read.exception() is not None), None)
+            if failure is None and pending and cancel is not None and cancel.is_set():
+                failure = CacheUnavailableError(f"{source.uri}: the cache daemon is stopping; its fill was cancelled")
+                abandoned = True
+        for read in reads:
+            read.cancel()
+    finally:
+        pool.shutdown(wait=not abandoned)
+        if not abandoned:
+            _libc.munmap(address, length)
+    if failure is not None:
+        raise failure
+
+
+def _read_piece(source: Source, offset: int, buffer: memoryview, cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise CacheUnavailableError(f"{source.uri}: the cache daemon is stopping; its fill was cancelled")
+    source.read_into(offset, buffer)

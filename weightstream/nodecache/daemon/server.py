@@ -1,13 +1,21 @@
 """The cache daemon: ``weightstream cache serve``.
 
-It listens on a Unix socket (created owner-only, or for one group), checks every client's uid with
-``SO_PEERCRED``, and answers length-prefixed JSON requests (``weightstream.nodecache.protocol``):
-``attach`` a source file (filling its segment on a miss: one fill however many clients ask at once; a
-fill that cannot fit is refused before any byte is read), ``device`` (its copy on a GPU the daemon
-serves, ``weightstream.nodecache.daemon.device``), ``ls``, ``stats``, ``evict`` and ``stop``.
-Each client has a thread; a client that sends nothing for ``idle_timeout_s`` is dropped, a malformed or
-oversized message ends its connection, and at most ``max_clients`` are served at once. SIGTERM (or
-``stop``) stops accepting, lets the requests in progress finish, and returns.
+It listens on a Unix socket (created owner-only, or for one group), checks every client's credentials with
+``SO_PEERCRED`` (and its groups with ``SO_PEERGROUPS``), and answers length-prefixed JSON requests
+(``weightstream.nodecache.protocol``): ``attach`` a source file (filling its segment on a miss: one fill however
+many clients ask at once; a fill that cannot fit is refused before any byte is read), ``device`` (its copy on a GPU
+the daemon serves, ``weightstream.nodecache.daemon.device``), ``room``, ``ls``, ``stats``, and, for the daemon's own
+user only, ``evict`` and ``stop``.
+
+A client gets only bytes it could read itself: a local file comes as a descriptor the client opened (the entry is
+keyed by the file's identity, never its path); a remote source is opened with the client's own credentials unless
+the client runs as the daemon's own user (``weightstream.nodecache.daemon.credentials``), and with a request to the
+store, so the client has shown it may read the source before any entry is handed to it.
+
+Each client has a thread; a request must arrive whole within ``idle_timeout_s`` of the daemon starting to wait for
+it, a malformed or oversized message ends its connection, and at most ``max_clients`` are served at once. SIGTERM
+(or ``stop``) stops accepting, closes idle and slow clients, lets fills finish within ``stop_timeout_s`` (then
+cancels them, and their clients get the error), and returns.
 
 Segments outlive the daemon (``weightstream.nodecache.daemon.segments``): a restarted daemon adopts the complete
 ones and discards the rest, and clients that mapped segments keep them whatever happens to the daemon.
@@ -17,33 +25,49 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import signal
 import socket
+import stat
 import struct
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 
 from weightstream.errors import (
+    CacheConfigError,
     CacheError,
+    CacheInUseError,
     CacheProtocolError,
     CacheRefusedError,
     CacheUnavailableError,
+    SourceChangedError,
     WeightstreamError,
     logger,
+    redact,
 )
+from weightstream.nodecache.daemon.credentials import check_own_credentials
 from weightstream.nodecache.daemon.device import DeviceTier
-from weightstream.nodecache.daemon.segments import Segment, SegmentStore, segment_key
+from weightstream.nodecache.daemon.directory import CacheDirectory
+from weightstream.nodecache.daemon.entries import EntryTable
+from weightstream.nodecache.daemon.limits import clamp_budget
+from weightstream.nodecache.daemon.segments import LOCAL_FILE, Segment, SegmentStore, segment_key, unsigned
+from weightstream.nodecache.daemon.stores import StorePool
 from weightstream.nodecache.protocol import MAX_REQUEST_BYTES, check_request, close_all, receive, send
-from weightstream.sources import store_for
-from weightstream.sources.base import Source, Store
-from weightstream.sources.retry import RetryPolicy
+from weightstream.sources.base import Source
+from weightstream.sources.local import LocalFile
 
 log = logger(__name__)
 
 CREDENTIALS = struct.Struct("3i")
 """``struct ucred``: pid, uid, gid."""
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+"""The peer's supplementary groups when it connected (Linux 4.13+)."""
+MAX_GROUPS = 65536
+OWNER_OPERATIONS = frozenset({"evict", "stop"})
+"""What only the daemon's own user may ask: a group member may use the cache, not empty or stop it."""
 
 
 def default_directory() -> str:
@@ -56,8 +80,34 @@ def default_directory() -> str:
     return f"/dev/shm/weightstream-cache-{os.getuid()}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """A connected client, as the kernel vouches for it (``SO_PEERCRED``, ``SO_PEERGROUPS``) when it connected."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: frozenset[int]
+
+    @property
+    def owner(self) -> bool:
+        """Whether it runs as the daemon's own user: only then does the daemon read with its own rights for it."""
+        return self.uid == os.getuid()
+
+
+def peer_of(connection: socket.socket) -> Peer:
+    """Who is at the other end of ``connection``."""
+    pid, uid, gid = CREDENTIALS.unpack(connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, CREDENTIALS.size))
+    try:
+        raw = connection.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * MAX_GROUPS)
+        groups = frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+    except OSError:  # a kernel before 4.13: the groups the process has now
+        groups = frozenset(_supplementary_groups(pid))
+    return Peer(pid, uid, gid, groups)
+
+
 class CacheDaemon:
-    """The daemon's state: its segments, its socket, the fills in progress and what it has served."""
+    """The daemon's state: its directory, segments and entries, its socket, its clients and stores."""
 
     def __init__(
         self,
@@ -71,26 +121,35 @@ class CacheDaemon:
         max_clients: int = 64,
         huge_pages: str = "auto",
         devices: list[str] | None = None,
+        stop_timeout_s: float = 30.0,
     ) -> None:
         self.socket_path = socket_path
         self.group = group
         self.fill_threads = fill_threads
         self.idle_timeout_s = idle_timeout_s
-        self.devices = None if not devices else DeviceTier(devices)
-        self.segments = SegmentStore(directory, budget, huge_pages, on_evict=self._evicted)
+        self.stop_timeout_s = stop_timeout_s
+        self.directory = CacheDirectory(directory)
+        try:
+            self.segments = SegmentStore(directory, budget, huge_pages, on_evict=self._evicted)
+            self.entries = EntryTable(self.segments, self.segments.references)
+            self.devices = None if not devices else DeviceTier(devices)
+        except BaseException:
+            self.directory.release()
+            raise
+        self.stores = StorePool()
         self._lock = threading.Lock()
-        self._fills: dict[str, concurrent.futures.Future[Segment]] = {}
-        self._pending_bytes = 0
-        self._stores: dict[str, Store] = {}
         self.max_clients = max_clients
         self._clients = threading.BoundedSemaphore(max_clients)
-        self._threads: set[threading.Thread] = set()
+        self._connections: dict[threading.Thread, socket.socket] = {}
         self._stopping = threading.Event()
+        self._cancel_fills = threading.Event()
+        """Set when fills outlast ``stop_timeout_s`` at shutdown: their reads not yet started raise."""
         self._listener: socket.socket | None = None
         self.counters = {
             "attaches": 0,
             "hits": 0,
             "fills": 0,
+            "fill_errors": 0,
             "bytes_filled": 0,
             "refused_clients": 0,
             "bad_requests": 0,
@@ -98,8 +157,14 @@ class CacheDaemon:
 
     def serve(self, on_ready: Callable[[], None] | None = None) -> None:
         """Listen and answer until :meth:`stop` (or SIGTERM where :meth:`install_signal_handlers` ran);
-        ``on_ready`` runs once the socket listens."""
-        self._listener = _listen(self.socket_path, self.group)
+        ``on_ready`` runs once the socket listens. Then: no new client; idle and slow clients closed; fills in
+        progress given ``stop_timeout_s`` to finish (then cancelled, their clients told); stores, device copies and
+        the directory released."""
+        try:
+            self._listener, bound = _listen(self.socket_path, self.group)
+        except BaseException:
+            self._release()
+            raise
         log.info(
             "serving %s from %s: %d segments adopted (%d bytes), %d files discarded",
             self.socket_path,
@@ -124,15 +189,9 @@ class CacheDaemon:
                 self._start_client(connection)
         finally:
             self._listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)
-            for thread in list(self._threads):
-                thread.join(timeout=self.idle_timeout_s + 1)
-            for store in self._stores.values():
-                with contextlib.suppress(Exception):  # a store that fails to close must not keep the daemon up
-                    store.close()
-            if self.devices is not None:
-                self.devices.close()
+            _unlink_if_ours(self.socket_path, bound)
+            self._drain()
+            self._release()
             log.info("stopped")
 
     def stop(self) -> None:
@@ -148,26 +207,29 @@ class CacheDaemon:
         """What ``stats`` answers (and ``serve --json`` prints at start)."""
         references = self.segments.references()
         with self._lock:
-            return {
-                "socket": self.socket_path,
-                "directory": self.segments.directory,
-                "budget": self.segments.budget,
-                "huge_pages": self.segments.filesystem_huge_pages not in (None, "never", "deny"),
-                "entries": len(self.segments.segments),
-                "bytes": self.segments.used_bytes,
-                "filling": len(self._fills),
-                "referenced_entries": sum(1 for key in self.segments.segments if references.get(key)),
-                "referencing_processes": len(set().union(*references.values())) if references else 0,
-                "adopted": self.segments.adopted,
-                "discarded": self.segments.discarded,
-                "devices": {} if self.devices is None else self.devices.status(),
-                **self.counters,
-            }
+            counters = dict(self.counters)
+        segments = dict(self.segments.segments)
+        return {
+            "socket": self.socket_path,
+            "directory": self.segments.directory,
+            "budget": self.segments.budget,
+            "huge_pages": self.segments.filesystem_huge_pages not in (None, "never", "deny"),
+            "entries": len(segments),
+            "bytes": sum(segment.size for segment in segments.values()),
+            "filling": self.entries.filling,
+            "referenced_entries": sum(1 for key in segments if references.get(key)),
+            "referencing_processes": len(set().union(*references.values())) if references else 0,
+            "adopted": self.segments.adopted,
+            "discarded": self.segments.discarded,
+            "stores": len(self.stores),
+            "clients": len(self._connections),
+            "devices": {} if self.devices is None else self.devices.status(),
+            **counters,
+        }
 
-    def _count(self, counter: str) -> None:
-        """One more of ``counter`` (client threads count at once)."""
+    def _count(self, counter: str, amount: int = 1) -> None:
         with self._lock:
-            self.counters[counter] += 1
+            self.counters[counter] += amount
 
     def _start_client(self, connection: socket.socket) -> None:
         if not self._clients.acquire(blocking=False):
@@ -177,199 +239,287 @@ class CacheDaemon:
         thread = threading.Thread(
             target=self._serve_client, args=(connection,), name="weightstream-cache-client", daemon=True
         )
-        self._threads.add(thread)
+        with self._lock:
+            self._connections[thread] = connection
         thread.start()
 
     def _serve_client(self, connection: socket.socket) -> None:
         try:
             with connection:
-                pid, uid, gid = CREDENTIALS.unpack(
-                    connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, CREDENTIALS.size)
-                )
-                if not self._allowed(pid, uid, gid):
-                    self._count("refused_clients")
-                    log.warning("refused a client: pid %d, uid %d (this daemon serves uid %d)", pid, uid, os.getuid())
-                    served = f"uid {os.getuid()}" + (f" and group {self.group}" if self.group is not None else "")
-                    refusal = CacheRefusedError(
-                        f"the cache daemon at {self.socket_path} serves {served}; this process is uid {uid}"
-                    )
-                    with contextlib.suppress(OSError):
-                        send(connection, _error(refusal))
+                peer = peer_of(connection)
+                if not self._allowed(peer):
+                    self._refuse(connection, peer)
                     return
-                connection.settimeout(self.idle_timeout_s)
                 while not self._stopping.is_set():
+                    deadline = time.monotonic() + self.idle_timeout_s
                     try:
-                        request, fds = receive(connection, MAX_REQUEST_BYTES, f"a request from pid {pid}")
-                        close_all(fds)  # clients send none; any that came are not kept
-                        op = check_request(request)
-                    except (CacheUnavailableError, TimeoutError, ConnectionError):
-                        return  # the client left, or said nothing for too long
+                        request, fds = receive(
+                            connection, MAX_REQUEST_BYTES, f"a request from pid {peer.pid}", deadline
+                        )
+                    except (CacheUnavailableError, OSError):
+                        return  # the client left, sent nothing whole in time, or the daemon is stopping
                     except CacheProtocolError as error:
-                        self._count("bad_requests")
-                        log.warning("bad request from pid %d: %s", pid, error)
-                        with contextlib.suppress(OSError):
-                            send(connection, _error(error))
+                        self._bad_request(connection, peer, error)
                         return
-                    self._answer(connection, op, request)
+                    try:
+                        op = check_request(request)
+                    except CacheProtocolError as error:
+                        close_all(fds)
+                        self._bad_request(connection, peer, error)
+                        return
+                    self._answer(connection, peer, op, request, fds)
         except Exception:
             log.exception("a client's connection failed")
         finally:
-            self._threads.discard(threading.current_thread())
+            with self._lock:
+                self._connections.pop(threading.current_thread(), None)
             self._clients.release()
 
-    def _answer(self, connection: socket.socket, op: str, request: Mapping[str, object]) -> None:
-        fd = None
-        try:
-            if op == "attach":
-                answer, fd = self._attach(request)
-            elif op == "device":
-                answer, fd = self._device(request)
-            elif op == "ls":
-                answer = self._ls()
-            elif op == "stats":
-                answer = {"ok": True, **self.status()}
-            elif op == "evict":
-                answer = self._evict(request.get("key"))  # type: ignore[arg-type]
-            else:
-                answer = {"ok": True, "stopping": True}
-                self.stop()
-        except WeightstreamError as error:
-            answer = _error(error)
-        except OSError as error:
-            answer = _error(CacheError(f"{error.strerror or error}"))
-        try:
-            send(connection, answer, () if fd is None else (fd,))
-        finally:
-            if fd is not None:
-                os.close(fd)
+    def _refuse(self, connection: socket.socket, peer: Peer) -> None:
+        self._count("refused_clients")
+        log.warning("refused a client: pid %d, uid %d (this daemon serves uid %d)", peer.pid, peer.uid, os.getuid())
+        served = f"uid {os.getuid()}" + (f" and group {self.group}" if self.group is not None else "")
+        refusal = CacheRefusedError(
+            f"the cache daemon at {self.socket_path} serves {served}; this process is uid {peer.uid}"
+        )
+        with contextlib.suppress(OSError):
+            send(connection, _error(refusal))
 
-    def _attach(self, request: Mapping[str, object]) -> tuple[dict[str, object], int]:
+    def _bad_request(self, connection: socket.socket, peer: Peer, error: CacheProtocolError) -> None:
+        self._count("bad_requests")
+        log.warning("bad request from pid %d: %s", peer.pid, error)
+        with contextlib.suppress(OSError):
+            send(connection, _error(error))
+
+    def _answer(
+        self, connection: socket.socket, peer: Peer, op: str, request: Mapping[str, object], fds: list[int]
+    ) -> None:
+        """Answer one request (the descriptors that came with it are this call's to close)."""
+        with contextlib.ExitStack() as held:
+            held.callback(close_all, fds)
+            fd = None
+            try:
+                if op in OWNER_OPERATIONS and not peer.owner:
+                    raise CacheRefusedError(
+                        f"{op}: only the daemon's own user (uid {os.getuid()}) may; this is uid {peer.uid}"
+                    )
+                if op == "attach":
+                    answer, fd = held.enter_context(self._attached(peer, request, fds))
+                elif op == "device":
+                    answer, fd = held.enter_context(self._device(peer, request, fds))
+                elif op == "room":
+                    self.entries.room_for(int(request["bytes"]), str(request.get("uri") or "the checkpoint"))  # type: ignore[call-overload]
+                    answer = {"ok": True}
+                elif op == "ls":
+                    answer = self._ls()
+                elif op == "stats":
+                    answer = {"ok": True, **self.status()}
+                elif op == "evict":
+                    answer = self._evict(request)
+                else:
+                    answer = {"ok": True, "stopping": True}
+                    self.stop()
+            except (WeightstreamError, OSError) as error:
+                answer = _error(error)
+            except Exception as error:  # a defect of the daemon's: the client still gets an answer, typed
+                log.exception("answering %s failed", op)
+                answer = _error(error)
+            with contextlib.suppress(OSError):  # a client that left: nothing to tell
+                send(connection, answer, () if fd is None else (fd,))
+
+    @contextlib.contextmanager
+    def _attached(
+        self, peer: Peer, request: Mapping[str, object], fds: list[int]
+    ) -> Iterator[tuple[dict[str, object], int]]:
+        """The answer to an attach and the segment's descriptor, the entry pinned while they are sent."""
+        with self._source_for(peer, request, fds) as (source, key):
+            self._count("attaches")
+            with self.entries.hand_out(key, source.size, source.uri, lambda: self._fill(key, source)) as (
+                segment,
+                filled,
+            ):
+                if not filled:
+                    self._count("hits")
+                fd = os.open(self.segments.path(key), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    yield (
+                        {
+                            "ok": True,
+                            "key": key,
+                            "size": segment.size,
+                            "version": segment.version,
+                            "head_sha256": segment.head_sha256,
+                            "gpus": [] if self.devices is None else self.devices.uuids,
+                        },
+                        fd,
+                    )
+                finally:
+                    os.close(fd)
+
+    @contextlib.contextmanager
+    def _source_for(self, peer: Peer, request: Mapping[str, object], fds: list[int]) -> Iterator[tuple[Source, str]]:
+        """The source a request names, opened with the client's rights, and its entry's key.
+
+        A local file comes as the descriptor the client opened (the daemon never opens a path for a client); a
+        remote source is opened with the client's own credentials unless the client is the daemon's own user, and
+        then with a request to the store, which proves the client may read it before any entry is handed over.
+        """
         uri = str(request["uri"])
         size, version = request.get("size"), request.get("version")
-        store = self._store(uri, request.get("storage_options") or {})  # type: ignore[arg-type]
-        # A cold local file is read around the page cache: the segment is its only copy in memory.
-        if size is not None and version is not None:
-            source = store.open_pinned(uri, size, version, direct="auto")  # type: ignore[arg-type]
+        if "://" not in uri or uri.startswith("file://"):
+            if len(fds) != 1:
+                raise CacheProtocolError(
+                    f"{uri}: a local file comes to the cache daemon as a descriptor the client opened; "
+                    f"{len(fds)} came with the request"
+                )
+            source: Source = LocalFile.from_descriptor(fds.pop(), uri, direct="auto")
+            key = segment_key(LOCAL_FILE, source.size, source.version)
         else:
-            source = store.open(uri, direct="auto")
+            if fds:
+                raise CacheProtocolError(f"{uri}: only a local file comes with a descriptor")
+            options: Mapping[str, object] = request.get("storage_options") or {}  # type: ignore[assignment]
+            if not peer.owner:
+                check_own_credentials(uri, options)
+            with self.stores.borrow(uri, options) as store:
+                pinned = peer.owner and isinstance(size, int) and isinstance(version, str)
+                source = store.open_pinned(uri, size, version) if pinned else store.open(uri)  # type: ignore[arg-type]
+                key = segment_key(unsigned(uri), source.size, source.version)
+                try:
+                    _check_planned(uri, size, version, source)
+                    yield source, key
+                finally:
+                    source.close()
+            return
         try:
-            key = segment_key(uri, source.size, source.version)
-            with self._lock:
-                self.counters["attaches"] += 1
-                segment = self.segments.segments.get(key)
-                fill = self._fills.get(key)
-                owner = segment is None and fill is None
-                if owner:
-                    self.segments.make_room(
-                        source.size + self._pending_bytes,
-                        lambda: set(self.segments.references()) | set(self._fills),
-                        uri,
-                    )
-                    fill = self._fills[key] = concurrent.futures.Future()
-                    self._pending_bytes += source.size
-            if owner:
-                segment = self._fill(key, source, fill)  # type: ignore[arg-type]
-            elif segment is None:
-                segment = fill.result()  # type: ignore[union-attr]  # another client's fill: read once
-            else:
-                self._count("hits")
+            _check_planned(uri, size, version, source)
+            yield source, key
         finally:
             source.close()
-        with self._lock:
-            fd = self.segments.open_segment(segment.key)
-        return {
-            "ok": True,
-            "key": segment.key,
-            "size": segment.size,
-            "version": segment.version,
-            "head_sha256": segment.head_sha256,
-            "gpus": [] if self.devices is None else self.devices.uuids,
-        }, fd
 
-    def _device(self, request: Mapping[str, object]) -> tuple[dict[str, object], int]:
+    @contextlib.contextmanager
+    def _device(
+        self, peer: Peer, request: Mapping[str, object], fds: list[int]
+    ) -> Iterator[tuple[dict[str, object], int]]:
         """The segment of the file (filled as for ``attach``), then its copy on the GPU the request names."""
         gpu = str(request["gpu"])
         if self.devices is None:
             raise CacheError(
                 f"this cache daemon keeps no device copies (start it with --device cuda:N); asked for {gpu}"
             )
-        answer, segment_fd = self._attach({name: value for name, value in request.items() if name != "gpu"})
-        os.close(segment_fd)
-        key, size = str(answer["key"]), int(answer["size"])  # type: ignore[call-overload]
-        fd, allocation_bytes = self.devices.copy_of(key, gpu, self.segments.path(key), size, str(request["uri"]))
-        return {**answer, "gpu": gpu, "allocation_bytes": allocation_bytes}, fd
+        segment_request = {name: value for name, value in request.items() if name != "gpu"}
+        with self._attached(peer, segment_request, fds) as (answer, _):
+            key, size = str(answer["key"]), int(answer["size"])  # type: ignore[call-overload]
+            fd, allocation_bytes = self.devices.copy_of(key, gpu, self.segments.path(key), size, str(request["uri"]))
+            try:
+                yield {**answer, "gpu": gpu, "allocation_bytes": allocation_bytes}, fd
+            finally:
+                os.close(fd)
 
     def _evicted(self, key: str) -> None:
         """A segment left the cache: so do its device copies."""
         if self.devices is not None:
             self.devices.drop(key)
 
-    def _fill(self, key: str, source: Source, fill: concurrent.futures.Future[Segment]) -> Segment:
+    def _fill(self, key: str, source: Source) -> Segment:
         try:
-            segment = self.segments.fill(key, source, self.fill_threads)
+            segment = self.segments.fill(key, source, self.fill_threads, self._cancel_fills)
         except BaseException as error:
-            fill.set_exception(error)
-            with self._lock:
-                self._fills.pop(key, None)
-                self._pending_bytes -= source.size
+            self._count("fill_errors")
+            log.warning("fill of %s (%s) failed: %s: %s", key, source.uri, type(error).__name__, error)
             raise
         with self._lock:
-            self.segments.publish(segment)
-            self._fills.pop(key, None)
-            self._pending_bytes -= segment.size
             self.counters["fills"] += 1
             self.counters["bytes_filled"] += segment.size
         log.info("filled %s (%s, %d bytes) in %.2f s", key, segment.uri, segment.size, segment.filled_seconds)
-        fill.set_result(segment)
         return segment
 
     def _ls(self) -> dict[str, object]:
         references = self.segments.references()
-        with self._lock:
-            entries = [
-                {**segment.describe(), "references": sorted(references.get(key, ()))}
-                for key, segment in sorted(self.segments.segments.items(), key=lambda item: item[1].last_used)
-            ]
+        segments = sorted(self.segments.segments.values(), key=lambda segment: segment.last_used)
+        entries = [
+            {**segment.describe(), "references": sorted(references.get(segment.key, ()))} for segment in segments
+        ]
         return {"ok": True, "entries": entries}
 
-    def _evict(self, key: str | None) -> dict[str, object]:
-        references = self.segments.references()
-        with self._lock:
-            wanted = list(self.segments.segments) if key is None else [key]
-            if key is not None and key not in self.segments.segments:
-                raise CacheError(f"no cache entry {key[:40]!r}")
-            evicted = [name for name in wanted if not references.get(name)]
-            for name in evicted:
-                self.segments.evict(name)
-        return {"ok": True, "evicted": evicted, "kept_referenced": [name for name in wanted if name not in evicted]}
+    def _evict(self, request: Mapping[str, object]) -> dict[str, object]:
+        key, uri = request.get("key"), request.get("uri")
+        if key is not None:
+            keys: list[str] | None = [str(key)]
+        elif uri is not None:
+            keys = [segment.key for segment in list(self.segments.segments.values()) if _names(segment, str(uri))]
+            if not keys:
+                raise CacheError(f"no cache entry of {str(uri)[:200]}")
+        elif request.get("all") is True:
+            keys = None
+        else:
+            raise CacheProtocolError("evict: name a key or a uri, or say all")
+        evicted, kept = self.entries.evict(keys)
+        return {"ok": True, "evicted": evicted, "kept_referenced": kept}
 
-    def _store(self, uri: str, storage_options: Mapping[str, object]) -> Store:
-        identity = json.dumps([uri.split("://", 1)[0] if "://" in uri else "file", storage_options], sort_keys=True)
-        with self._lock:
-            store = self._stores.get(identity)
-            if store is None:
-                store = self._stores[identity] = store_for(uri, storage_options, RetryPolicy(5, 30.0, None))
-            return store
-
-    def _allowed(self, pid: int, uid: int, gid: int) -> bool:
-        if uid == os.getuid():
+    def _allowed(self, peer: Peer) -> bool:
+        if peer.owner:
             return True
-        if self.group is None:
-            return False
-        return gid == self.group or self.group in _supplementary_groups(pid)
+        return self.group is not None and (peer.gid == self.group or self.group in peer.groups)
+
+    def _drain(self) -> None:
+        """After the listener closed: end every client's wait for a request (their sockets shut for reading, so a
+        slow or idle client is dropped at once), cancel fills that outlast ``stop_timeout_s`` (their clients get
+        the error), and wait for the client threads."""
+        with self._lock:
+            connections = dict(self._connections)
+        for connection in connections.values():
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RD)
+        fills = self.entries.fills_in_progress()
+        if fills:
+            log.info("stopping: %d fills in progress, %.0f s to finish", len(fills), self.stop_timeout_s)
+            _, unfinished = concurrent.futures.wait(fills, timeout=self.stop_timeout_s)
+            if unfinished:
+                log.warning("stopping: cancelling %d fills that did not finish in time", len(unfinished))
+                self._cancel_fills.set()
+                concurrent.futures.wait(unfinished)
+        for thread in connections:
+            thread.join(timeout=self.stop_timeout_s)
+
+    def _release(self) -> None:
+        self.stores.close()
+        if self.devices is not None:
+            self.devices.close()
+        self.directory.release()
 
 
-def _listen(path: str, group: int | None) -> socket.socket:
-    """A listening socket at ``path``, owner-only (or owner and ``group``); a stale socket file is replaced,
-    a live daemon's is not."""
-    if os.path.exists(path):
+def _check_planned(uri: str, size: object, version: object, source: Source) -> None:
+    """Raise :class:`SourceChangedError` unless ``source`` is the version the client planned (if it planned one)."""
+    if size is not None and (source.size, source.version) != (size, version):
+        raise SourceChangedError(
+            f"{uri}: is version {source.version} ({source.size} bytes) now; {version} ({size} bytes) was planned"
+        )
+
+
+def _names(segment: Segment, uri: str) -> bool:
+    """Whether ``uri`` names ``segment``: its file, or a directory (prefix) holding it."""
+    return segment.uri == uri or segment.uri.startswith(uri.rstrip("/") + "/")
+
+
+def _listen(path: str, group: int | None) -> tuple[socket.socket, tuple[int, int]]:
+    """A listening socket at ``path``, owner-only (or owner and ``group``), and the identity of its file. A stale
+    socket of this user's (nobody listens) is replaced; anything else at ``path`` is refused, never removed."""
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        status = None
+    if status is not None:
+        if not stat.S_ISSOCK(status.st_mode):
+            raise CacheConfigError(f"--socket {path}: a file that is not a socket is there; it is left alone")
+        if status.st_uid != os.getuid():
+            raise CacheConfigError(f"--socket {path}: a socket of uid {status.st_uid} is there; it is left alone")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)
         except OSError:
             os.unlink(path)  # nobody listens: a daemon that died left it
         else:
-            raise CacheError(f"{path}: another cache daemon is listening there")
+            raise CacheInUseError(f"--socket {path}: another cache daemon is listening there")
         finally:
             probe.close()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -378,14 +528,31 @@ def _listen(path: str, group: int | None) -> socket.socket:
         listener.bind(path)
     except OSError as error:
         listener.close()
-        raise CacheError(f"{path}: cannot listen there: {error.strerror}") from error
+        raise CacheConfigError(f"--socket {path}: cannot listen there: {error.strerror}") from error
     finally:
         os.umask(previous)
     if group is not None:
-        os.chown(path, -1, group)
+        try:
+            os.chown(path, -1, group)
+        except OSError as error:
+            listener.close()
+            os.unlink(path)
+            raise CacheConfigError(
+                f"--group {group}: cannot give the socket to that group: {error.strerror} (the daemon's user must be "
+                "a member of it)"
+            ) from error
     listener.listen(128)
     listener.settimeout(0.2)
-    return listener
+    bound = os.lstat(path)
+    return listener, (bound.st_dev, bound.st_ino)
+
+
+def _unlink_if_ours(path: str, bound: tuple[int, int]) -> None:
+    """Remove the socket file this daemon bound, unless something else has taken its place."""
+    with contextlib.suppress(OSError):
+        status = os.lstat(path)
+        if (status.st_dev, status.st_ino) == bound:
+            os.unlink(path)
 
 
 def _supplementary_groups(pid: int) -> set[int]:
@@ -396,8 +563,18 @@ def _supplementary_groups(pid: int) -> set[int]:
     return set()
 
 
-def _error(error: Exception) -> dict[str, object]:
-    return {"ok": False, "error": type(error).__name__, "message": str(error)}
+def _error(error: BaseException) -> dict[str, object]:
+    """The answer that carries ``error`` to the client: its type's name, its message, its errno, and its cause."""
+    number = getattr(error, "errno", None)
+    if not isinstance(error, WeightstreamError):
+        error = CacheError(redact(f"{type(error).__name__}: {error}"))
+    answer: dict[str, object] = {"ok": False, "error": type(error).__name__, "message": str(error)}
+    if isinstance(number, int):
+        answer["errno"] = number
+    cause = error.__cause__
+    if cause is not None:
+        answer["cause"] = redact(f"{type(cause).__name__}: {cause}")[:2000]
+    return answer
 
 
 def run_daemon(
@@ -408,19 +585,51 @@ def run_daemon(
     group: int | None = None,
     status: bool = False,
     idle_timeout_s: float = 10.0,
+    stop_timeout_s: float = 30.0,
     huge_pages: str = "auto",
     devices: list[str] | None = None,
+    default_socket: bool = False,
 ) -> int:
-    """``weightstream cache serve``: run in the foreground until SIGTERM; 0 on a clean stop."""
+    """``weightstream cache serve``: run in the foreground until SIGTERM; 0 on a clean stop. With
+    ``default_socket``, the socket's directory (``/run/weightstream``, ``/tmp/weightstream-<uid>``) is made if
+    missing, and must be this user's.
+
+    Raises:
+        CacheConfigError, CacheInUseError: an option, the directory or the socket refused, before anything starts.
+    """
+    if default_socket:
+        _socket_directory(os.path.dirname(socket_path), group)
+    if budget is not None:
+        budget = clamp_budget(budget, directory)
     daemon = CacheDaemon(
         directory,
         socket_path,
         budget,
         group=group,
         idle_timeout_s=idle_timeout_s,
+        stop_timeout_s=stop_timeout_s,
         huge_pages=huge_pages,
         devices=devices,
     )
     daemon.install_signal_handlers()
     daemon.serve(on_ready=(lambda: print(json.dumps(daemon.status()), flush=True)) if status else None)
     return 0
+
+
+def _socket_directory(path: str, group: int | None) -> None:
+    """Make the default socket's directory (owner-only; traversable by ``group`` if given), or check the one there
+    is this user's and writable by it alone: no other user can put a socket where clients look."""
+    try:
+        os.mkdir(path, 0o700)
+        if group is not None:
+            os.chmod(path, 0o711)  # others pass through to the socket, whose own mode admits the group alone
+    except FileExistsError:
+        pass
+    except OSError as error:
+        raise CacheConfigError(f"{path}: cannot make the socket's directory: {error.strerror}") from error
+    status = os.lstat(path)
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o022:
+        raise CacheConfigError(
+            f"{path}: the socket's directory must be this user's (uid {os.getuid()}) and writable by it alone; it is "
+            f"uid {status.st_uid}, mode {oct(status.st_mode & 0o777)}"
+        )

@@ -1,0 +1,59 @@
+"""The service files in deploy/: what this machine can check of them. The unit passes ``systemd-analyze verify``
+and both run the daemon with options its command line accepts; running them needs a systemd host and a Kubernetes
+cluster, which CI has not (the daemon as its own user, for a group, is tested in test_cache_security)."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from weightstream.cli import _parser
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def unit_command() -> list[str]:
+    text = (DEPLOY / "weightstream-cache.service").read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.startswith("ExecStart="))
+    return shlex.split(line.removeprefix("ExecStart="))
+
+
+def test_the_units_command_is_one_the_cli_accepts():
+    command = unit_command()
+    assert command[0].endswith("/bin/weightstream")
+    args = _parser().parse_args(command[1:])
+    assert (args.group, args.socket, args.budget) == ("inference", "/run/weightstream/cache.sock", 200 << 30)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+def test_the_unit_passes_systemd_analyze_verify(tmp_path):
+    unit = (DEPLOY / "weightstream-cache.service").read_text()
+    executable = str(Path(sys.executable).parent / "weightstream")
+    (tmp_path / "weightstream-cache.service").write_text(unit.replace("/opt/weightstream/bin/weightstream", executable))
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(tmp_path / "weightstream-cache.service")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "weightstream-cache.service" not in result.stderr, result.stderr
+
+
+def test_the_daemonsets_command_is_one_the_cli_accepts():
+    import yaml
+
+    manifest = yaml.safe_load((DEPLOY / "weightstream-cache-daemonset.yaml").read_text())
+    assert manifest["kind"] == "DaemonSet"
+    (container,) = manifest["spec"]["template"]["spec"]["containers"]
+    args = _parser().parse_args(container["args"])
+    assert (args.group, args.budget, args.dir) == ("10002", 200 << 30, "/dev/shm/weightstream-cache")
+    probe = _parser().parse_args(container["readinessProbe"]["exec"]["command"][1:])
+    assert probe.cache_command == "stats"
+    assert manifest["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True

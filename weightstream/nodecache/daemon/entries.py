@@ -1,0 +1,173 @@
+"""The life of a cache entry, made explicit: absent → filling → published ⇄ handed out → evicted.
+
+- **absent**: no segment and no fill. The first client to ask claims it (:meth:`EntryTable.hand_out`): room is
+  made for it, or :class:`CacheFullError` is raised before any byte is read.
+- **filling**: one fill, by the client that claimed it; every other client asking for the key waits for that
+  fill and gets its segment, or its error (the same error, typed as the source raised it: the file is read once,
+  never again for the waiters).
+- **published**: a complete segment with its manifest; servable.
+- **handed out**: published and pinned while a client's answer is made and sent (its descriptor opened, a device
+  copy made). A pinned entry is never evicted, so nothing can disappear between a lookup and the descriptor
+  that leaves with the answer.
+- **evicted**: removed (manifest first, then file); its device copies go with it. Only unpinned entries that no
+  process maps or holds open, and that were not handed out since that was checked, are evicted.
+
+The table is thread-safe: every transition happens under its lock, the fill itself and the ``/proc`` scan for
+references outside it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from weightstream.errors import CacheError, CacheFullError, logger
+from weightstream.nodecache.daemon.segments import Segment, SegmentStore
+
+log = logger(__name__)
+
+
+class EntryTable:
+    """The entries of one :class:`SegmentStore`: which are filling, which are pinned, and eviction."""
+
+    def __init__(self, segments: SegmentStore, references: Callable[[], dict[str, set[int]]]) -> None:
+        self.segments = segments
+        self._references = references
+        self._lock = threading.Lock()
+        self._fills: dict[str, concurrent.futures.Future[Segment]] = {}
+        self._fill_bytes: dict[str, int] = {}
+        self._pins: dict[str, int] = {}
+        self._handed_out: dict[str, float] = {}
+        """Key -> when it was last handed out (``time.monotonic()``): a scan that started before does not know of
+        the client that got it."""
+
+    @property
+    def filling(self) -> int:
+        with self._lock:
+            return len(self._fills)
+
+    def fills_in_progress(self) -> list[concurrent.futures.Future[Segment]]:
+        with self._lock:
+            return list(self._fills.values())
+
+    @contextlib.contextmanager
+    def hand_out(self, key: str, size: int, uri: str, fill: Callable[[], Segment]) -> Iterator[tuple[Segment, bool]]:
+        """The published entry ``key``, pinned while the ``with`` block runs: ``(segment, filled_now)``. An absent
+        entry is claimed and ``fill()`` runs (outside the lock) to make it; a filling one is waited for.
+
+        Raises:
+            CacheFullError: an absent entry of ``size`` bytes cannot fit even with every evictable entry gone.
+            whatever the fill raised, in this thread and in every thread that waited for that fill.
+        """
+        segment, filled = self._pin(key, size, uri, fill)
+        try:
+            yield segment, filled
+        finally:
+            with self._lock:
+                self._pins[key] -= 1
+                if not self._pins[key]:
+                    del self._pins[key]
+
+    def evict(self, keys: list[str] | None = None) -> tuple[list[str], list[str]]:
+        """Evict ``keys`` (every entry for ``None``) that are unpinned and unreferenced: ``(evicted, kept)``.
+
+        Raises:
+            CacheError: a key the table does not hold.
+        """
+        started = time.monotonic()
+        references = self._references()
+        with self._lock:
+            wanted = list(self.segments.segments) if keys is None else keys
+            for key in wanted:
+                if key not in self.segments.segments:
+                    raise CacheError(f"no cache entry {key[:40]!r}")
+            evicted = [key for key in wanted if self._evictable(key, references, started)]
+            for key in evicted:
+                self.segments.evict(key)
+        return evicted, [key for key in wanted if key not in evicted]
+
+    def room_for(self, size: int, uri: str) -> None:
+        """Raise :class:`CacheFullError` unless ``size`` bytes could be held, every evictable entry evicted (nothing
+        is evicted here: ``prefetch`` asks before it fills anything)."""
+        started = time.monotonic()
+        references = self._references()
+        with self._lock:
+            kept = sum(
+                segment.size
+                for key, segment in self.segments.segments.items()
+                if not self._evictable(key, references, started)
+            )
+            evictable = self.segments.used_bytes - kept
+            shortfall = self.segments.shortfall(size + sum(self._fill_bytes.values()), freed=evictable)
+        if shortfall is not None:
+            raise CacheFullError(f"{uri}: {size} bytes do not fit the cache: {shortfall}")
+
+    def _pin(self, key: str, size: int, uri: str, fill: Callable[[], Segment]) -> tuple[Segment, bool]:
+        while True:
+            with self._lock:
+                segment = self.segments.segments.get(key)
+                if segment is not None:
+                    self._hold(key, segment)
+                    return segment, False
+                waiting = self._fills.get(key)
+                claimed = waiting is None and self._fits(size)
+                if claimed:
+                    waiting = self._fills[key] = concurrent.futures.Future()
+                    self._fill_bytes[key] = size
+            if claimed:
+                return self._run_fill(key, waiting, fill), True  # type: ignore[arg-type]
+            if waiting is not None:
+                waiting.result()  # the other client's fill: its segment (pinned on the next turn), or its error
+                continue
+            self._make_room(size, uri)
+
+    def _fits(self, size: int) -> bool:
+        return self.segments.shortfall(size + sum(self._fill_bytes.values())) is None
+
+    def _make_room(self, size: int, uri: str) -> None:
+        """Evict least recently used entries until ``size`` more bytes fit (the ``/proc`` scan outside the lock)."""
+        started = time.monotonic()
+        references = self._references()
+        with self._lock:
+            evictable = sorted(
+                (s for key, s in self.segments.segments.items() if self._evictable(key, references, started)),
+                key=lambda segment: segment.last_used,
+            )
+            while (shortfall := self.segments.shortfall(size + sum(self._fill_bytes.values()))) is not None:
+                if not evictable:
+                    raise CacheFullError(f"{uri}: {size} bytes do not fit the cache: {shortfall}")
+                victim = evictable.pop(0)
+                log.info("evicting %s (%s, %d bytes)", victim.key, victim.uri, victim.size)
+                self.segments.evict(victim.key)
+
+    def _evictable(self, key: str, references: dict[str, set[int]], scanned_after: float) -> bool:
+        return (
+            key not in self._pins
+            and not references.get(key)
+            and self._handed_out.get(key, float("-inf")) < scanned_after
+        )
+
+    def _run_fill(self, key: str, future: concurrent.futures.Future[Segment], fill: Callable[[], Segment]) -> Segment:
+        """Run the fill of claimed entry ``key`` (outside the lock), publish and pin what it made; every client
+        waiting on ``future`` gets the segment, or the fill's error."""
+        try:
+            segment = fill()
+        except BaseException as error:
+            with self._lock:
+                del self._fills[key], self._fill_bytes[key]
+            future.set_exception(error)
+            raise
+        with self._lock:
+            del self._fills[key], self._fill_bytes[key]
+            self.segments.publish(segment)
+            self._hold(key, segment)
+        future.set_result(segment)
+        return segment
+
+    def _hold(self, key: str, segment: Segment) -> None:
+        self._pins[key] = self._pins.get(key, 0) + 1
+        self._handed_out[key] = time.monotonic()
+        segment.last_used = time.time()
