@@ -172,15 +172,7 @@ def test_sigterm_during_a_fill_tells_its_client_and_leaves_no_temporary_file(tmp
     with RangeServer(tmp_path) as server:
         server.misbehave.trickle_seconds_per_byte = 0.0002  # the fill takes about a minute
         daemon = Daemon(*places, "--stop-timeout", "1").start()
-        loader = subprocess.Popen(
-            [sys.executable, "-c", LOAD_AND_SAY, server.url + "/model.safetensors", str(daemon.socket)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        deadline = time.monotonic() + 30
-        while not any(p.name.startswith("tmp-") for p in daemon.directory.iterdir()) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        loader = loading_mid_fill(server.url + "/model.safetensors", daemon)
         started = time.monotonic()
         assert daemon.stop() == 0
         stopped = time.monotonic() - started
@@ -201,6 +193,25 @@ try:
 except Exception as error:
     print(json.dumps({"error": type(error).__name__, "message": str(error)}))
 """
+
+
+def loading_mid_fill(uri: str, daemon: Daemon) -> subprocess.Popen:
+    """A process loading ``uri`` through ``daemon`` (it prints what it got as JSON), once the daemon's fill for it has
+    started."""
+    loader = subprocess.Popen(
+        [sys.executable, "-c", LOAD_AND_SAY, uri, str(daemon.socket)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while not any(path.name.startswith("tmp-") for path in daemon.directory.iterdir()):
+        assert time.monotonic() < deadline, "no fill started"
+        time.sleep(0.05)
+    return loader
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """``weightstream ARGS`` run to its end."""
+    command = [sys.executable, "-m", "weightstream.cli", *args]
+    return subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
 def test_clients_varying_their_options_do_not_exhaust_the_daemon(tmp_path, places):
@@ -236,15 +247,7 @@ def test_clients_varying_their_options_do_not_exhaust_the_daemon(tmp_path, place
 )
 def test_nonsense_options_are_refused_in_one_line_before_anything_starts(places, options, message):
     directory, sock = places
-    result = subprocess.run(
-        [sys.executable, "-m", "weightstream.cli", "cache", "serve", "--dir", str(directory), "--socket", str(sock)]
-        + options,
-        check=False,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    result = cli("cache", "serve", "--dir", str(directory), "--socket", str(sock), *options)
     assert result.returncode in (1, 2) and "Traceback" not in result.stderr
     assert message in result.stderr.strip().splitlines()[-1]
     assert not sock.exists()
@@ -253,15 +256,7 @@ def test_nonsense_options_are_refused_in_one_line_before_anything_starts(places,
 def test_a_file_as_the_directory_is_refused_in_one_line(tmp_path, places):
     _, sock = places
     (tmp_path / "file").write_text("x")
-    result = subprocess.run(
-        [sys.executable, "-m", "weightstream.cli", "cache", "serve", "--dir", str(tmp_path / "file")]
-        + ["--socket", str(sock)],
-        check=False,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    result = cli("cache", "serve", "--dir", str(tmp_path / "file"), "--socket", str(sock))
     assert (result.returncode, result.stderr) == (
         1,
         f"weightstream: error: --dir {tmp_path / 'file'}: is not a directory\n",
@@ -284,15 +279,7 @@ def test_a_prefetch_that_cannot_hold_the_checkpoint_fails_and_changes_nothing(tm
     with Daemon(*places, "--budget", str(400 << 10)) as daemon:
         weightstream.load_weights(tmp_path / "other.safetensors", cache=str(daemon.socket), zero_copy=False)
         before = request(daemon.socket, {"op": "ls"})["entries"]
-        result = subprocess.run(
-            [sys.executable, "-m", "weightstream.cli", "cache", "prefetch", str(checkpoint)]
-            + ["--socket", str(daemon.socket)],
-            check=False,
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=120,
-        )
+        result = cli("cache", "prefetch", str(checkpoint), "--socket", str(daemon.socket))
         assert result.returncode == 1
         assert re.fullmatch(
             rf"weightstream: error: {checkpoint}: \d+ bytes do not fit the cache: the budget is 409600 bytes and 0 "
@@ -338,15 +325,7 @@ def test_a_daemon_gone_mid_request_is_not_asked_twice(tmp_path, places):
     with RangeServer(tmp_path) as server:
         server.misbehave.trickle_seconds_per_byte = 0.0005
         daemon = Daemon(*places).start()
-        loader = subprocess.Popen(
-            [sys.executable, "-c", LOAD_AND_SAY, server.url + "/model.safetensors", str(daemon.socket)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        deadline = time.monotonic() + 30
-        while not any(p.name.startswith("tmp-") for p in daemon.directory.iterdir()) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        loader = loading_mid_fill(server.url + "/model.safetensors", daemon)
         daemon.kill()
         restarted = Daemon(*places).start()
         try:

@@ -36,21 +36,24 @@ def offline_cache(tmp_path: Path, monkeypatch) -> Path:
     return cache
 
 
-def test_a_fifo_as_a_hub_ref_is_refused_at_once(offline_cache, tmp_path, no_leaks):
+def cached_ref(offline_cache: Path, tmp_path: Path) -> Path:
+    """The ``refs/main`` of a model in the offline cache, removed for the test to put something else there."""
     model = save_hf_sharded(llama_state_dict(SHAPE, seed=1), tmp_path / "model", shards=1)
     cache_model(offline_cache, "org/llama", Path(model))
     ref = offline_cache / "models--org--llama" / "refs" / "main"
     ref.unlink()
+    return ref
+
+
+def test_a_fifo_as_a_hub_ref_is_refused_at_once(offline_cache, tmp_path, no_leaks):
+    ref = cached_ref(offline_cache, tmp_path)
     os.mkfifo(ref)
     with pytest.raises(UnsupportedInputError, match=rf"^{ref}: is a FIFO, not a regular file"):
         weightstream.load_weights("hf://org/llama")
 
 
 def test_a_loop_of_links_as_a_hub_ref_is_a_typed_error(offline_cache, tmp_path, no_leaks):
-    model = save_hf_sharded(llama_state_dict(SHAPE, seed=1), tmp_path / "model", shards=1)
-    cache_model(offline_cache, "org/llama", Path(model))
-    ref = offline_cache / "models--org--llama" / "refs" / "main"
-    ref.unlink()
+    ref = cached_ref(offline_cache, tmp_path)
     ref.symlink_to(ref)
     with pytest.raises(SourceError, match=rf"^{ref}: cannot open: Too many levels of symbolic links$"):
         weightstream.load_weights("hf://org/llama")
