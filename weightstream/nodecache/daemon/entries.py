@@ -86,7 +86,7 @@ class EntryTable:
                     raise CacheError(f"no cache entry {key[:40]!r}")
             evicted = [key for key in wanted if self._evictable(key, references, started)]
             for key in evicted:
-                self.segments.evict(key)
+                self._evict(key)
         return evicted, [key for key in wanted if key not in evicted]
 
     def room_for(self, size: int, uri: str) -> None:
@@ -141,7 +141,12 @@ class EntryTable:
                     raise CacheFullError(f"{uri}: {size} bytes do not fit the cache: {shortfall}")
                 victim = evictable.pop(0)
                 log.info("evicting %s (%s, %d bytes)", victim.key, victim.uri, victim.size)
-                self.segments.evict(victim.key)
+                self._evict(victim.key)
+
+    def _evict(self, key: str) -> None:
+        """Under the lock: evict ``key`` (an unpinned entry) and forget it."""
+        self.segments.evict(key)
+        self._handed_out.pop(key, None)
 
     def _evictable(self, key: str, references: dict[str, set[int]], scanned_after: float) -> bool:
         return (
