@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightstream.errors import CacheProtocolError, CacheUnavailableError
+from weightstream.nodecache.daemon.segments import SIGNING_PARAMETERS, unsigned
 from weightstream.nodecache.protocol import LENGTH, OPERATIONS, check_request, encode, receive, send
 
 JSON = st.recursive(
@@ -73,3 +74,22 @@ def test_a_length_over_the_limit_is_refused_before_reading_the_body(no_leaks):
         theirs.sendall(LENGTH.pack(1 << 30))
         with pytest.raises(CacheProtocolError, match=r"test: a message of 1073741824 bytes; at most 1024 are accepted"):
             receive(ours, 1 << 10, "test")
+
+
+SIGNING = st.sampled_from(["sig", "se", "sv", "sp", "X-Amz-Signature", "X-Amz-Date", "x-goog-credential", "token"])
+NAMING = st.text(alphabet="abcdefghijklmnopqrstuvwxyz", min_size=1, max_size=8).filter(
+    lambda name: name not in SIGNING_PARAMETERS and not name.startswith(("x-amz-", "x-goog-"))
+)
+VALUES = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789%", max_size=12)
+
+
+@given(st.lists(st.tuples(NAMING, VALUES), max_size=4), st.lists(st.tuples(SIGNING, VALUES), max_size=4))
+def test_a_urls_key_keeps_what_names_the_object_and_drops_what_signs_it(naming, signing):
+    import urllib.parse
+
+    base = "https://host.example/bucket/model.safetensors"
+    signed = base + "?" + urllib.parse.urlencode(naming + signing) if naming or signing else base
+    re_signed = base + "?" + urllib.parse.urlencode(naming + [(name, value + "x") for name, value in signing])
+    assert unsigned(signed) == unsigned(re_signed if naming or signing else base)
+    kept = urllib.parse.parse_qsl(urllib.parse.urlsplit(unsigned(signed)).query, keep_blank_values=True)
+    assert kept == naming

@@ -120,12 +120,12 @@ def test_a_client_outside_the_group_is_refused(public, group_daemon):
     )
 
 
-def test_a_group_member_may_not_evict_or_stop(public, group_daemon):
+def test_a_group_member_may_not_list_evict_or_stop(public, group_daemon):
     ask = textwrap.dedent("""
         import sys
         from weightstream.nodecache.client import CacheClient
         from weightstream.errors import CacheError
-        for op in ({"op": "stop"}, {"op": "evict", "all": True}):
+        for op in ({"op": "stop"}, {"op": "evict", "all": True}, {"op": "ls"}):
             try:
                 CacheClient(sys.argv[1]).request(op)
             except CacheError as error:
@@ -136,6 +136,7 @@ def test_a_group_member_may_not_evict_or_stop(public, group_daemon):
     assert said.splitlines() == [
         f"CacheRefusedError stop: only the daemon's own user (uid 0) may; this is uid {NOBODY}",
         f"CacheRefusedError evict: only the daemon's own user (uid 0) may; this is uid {NOBODY}",
+        f"CacheRefusedError ls: only the daemon's own user (uid 0) may; this is uid {NOBODY}",
     ]
     assert group_daemon.process.poll() is None
 

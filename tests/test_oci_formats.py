@@ -121,3 +121,19 @@ def test_a_tar_written_by_tarfile_is_walked_member_by_member():
 def test_bad_layers_are_refused_by_name(layer, message):
     with pytest.raises(FormatError, match=message):
         oci.parse_manifest(json.dumps({"schemaVersion": 2, "layers": [layer]}).encode(), "manifest")
+
+
+@given(st.integers(min_value=0, max_value=10**19 - 1), st.integers(min_value=0, max_value=8**11))
+def test_a_pax_size_reads_back_and_overrides_the_ustar_one(size, stored):
+    assert oci.pax_size({"size": str(size)}, stored, "layer") == size
+    assert oci.pax_size({"path": "x"}, stored, "layer") == stored
+
+
+@given(st.text(max_size=40))
+def test_any_pax_size_text_is_a_size_or_a_typed_refusal(text):
+    try:
+        size = oci.pax_size({"size": text}, 0, "layer")
+    except FormatError as error:
+        assert "a PAX size record is" in str(error)
+    else:
+        assert text.isascii() and text.isdigit() and size == int(text)

@@ -4,8 +4,8 @@ It listens on a Unix socket (created owner-only, or for one group), checks every
 ``SO_PEERCRED`` (and its groups with ``SO_PEERGROUPS``), and answers length-prefixed JSON requests
 (``weightstream.nodecache.protocol``): ``attach`` a source file (filling its segment on a miss: one fill however
 many clients ask at once; a fill that cannot fit is refused before any byte is read), ``device`` (its copy on a GPU
-the daemon serves, ``weightstream.nodecache.daemon.device``), ``room``, ``ls``, ``stats``, and, for the daemon's own
-user only, ``evict`` and ``stop``.
+the daemon serves, ``weightstream.nodecache.daemon.device``), ``room``, ``stats``, and, for the daemon's own user
+only, ``ls``, ``evict`` and ``stop``.
 
 A client gets only bytes it could read itself: a local file comes as a descriptor the client opened (the entry is
 keyed by the file's identity, never its path); a remote source is opened with the client's own credentials unless
@@ -66,8 +66,9 @@ CREDENTIALS = struct.Struct("3i")
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 """The peer's supplementary groups when it connected (Linux 4.13+)."""
 MAX_GROUPS = 65536
-OWNER_OPERATIONS = frozenset({"evict", "stop"})
-"""What only the daemon's own user may ask: a group member may use the cache, not empty or stop it."""
+OWNER_OPERATIONS = frozenset({"ls", "evict", "stop"})
+"""What only the daemon's own user may ask: a group member may use the cache, not list what others cached (their
+files' paths), empty it or stop it."""
 
 
 def default_directory() -> str:
