@@ -413,3 +413,35 @@ def test_a_descriptor_that_proves_no_read_access_gets_nothing(public, group_daem
     command = as_user([sys.executable, "-c", O_PATH_ATTACH, str(secret), str(group_daemon.socket)], groups=(GROUP,))
     said = subprocess.run(command, capture_output=True, text=True, cwd="/", timeout=60, check=True).stdout.strip()
     assert said == f"UnsupportedInputError {secret}: the descriptor passed is not open for reading"
+
+
+HOG = textwrap.dedent("""
+    import socket, struct, sys, time
+    held, refused = [], 0
+    for _ in range(64):  # every slot the daemon has, each with a request that never ends
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect(sys.argv[1])
+        connection.sendall(struct.pack(">I", 100) + b"{")
+        held.append(connection)
+    time.sleep(1)
+    for connection in held:
+        connection.setblocking(False)
+        try:
+            refused += b"CacheRefusedError" in connection.recv(4096)
+        except BlockingIOError:
+            pass
+    print(refused, flush=True)
+    time.sleep(5)
+""")
+
+
+def test_one_user_cannot_take_every_connection(public, group_daemon, tmp_path):
+    save_file(state(10), str(tmp_path / "model.safetensors"))
+    command = as_user([sys.executable, "-c", HOG, str(group_daemon.socket)], groups=(GROUP,))
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd="/") as hog:
+        try:
+            assert hog.stdout.readline().strip() == "32"  # half the slots, the rest refused at once
+            loaded = weightstream.load_weights(tmp_path / "model.safetensors", cache=str(group_daemon.socket))
+            assert_same(loaded, state(10))  # the daemon's own user still gets in
+        finally:
+            hog.kill()

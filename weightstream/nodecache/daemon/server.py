@@ -140,7 +140,11 @@ class CacheDaemon:
         self.stores = StorePool()
         self._lock = threading.Lock()
         self.max_clients = max_clients
+        self.max_clients_per_user = max(1, max_clients // 2)
+        """Connections one user other than the daemon's own may hold at once: no one client's user can take every
+        slot (reconnecting as fast as slow requests are dropped)."""
         self._clients = threading.BoundedSemaphore(max_clients)
+        self._per_user: dict[int, int] = {}
         self._connections: dict[threading.Thread, socket.socket] = {}
         self._stopping = threading.Event()
         self._cancel_fills = threading.Event()
@@ -233,21 +237,38 @@ class CacheDaemon:
             self.counters[counter] += amount
 
     def _start_client(self, connection: socket.socket) -> None:
+        try:
+            peer = peer_of(connection)
+        except OSError:  # gone already
+            connection.close()
+            return
         if not self._clients.acquire(blocking=False):
             log.warning("refusing a client: %d are connected already", self.max_clients)
             connection.close()
             return
+        with self._lock:
+            held = self._per_user.get(peer.uid, 0)
+            crowded = not peer.owner and held >= self.max_clients_per_user
+            if not crowded:
+                self._per_user[peer.uid] = held + 1
+        if crowded:
+            self._clients.release()
+            self._count("refused_clients")
+            log.warning("refusing a client of uid %d: it holds %d connections already", peer.uid, held)
+            with contextlib.suppress(OSError):
+                send(connection, _error(CacheRefusedError(f"uid {peer.uid} holds {held} connections already")))
+            connection.close()
+            return
         thread = threading.Thread(
-            target=self._serve_client, args=(connection,), name="weightstream-cache-client", daemon=True
+            target=self._serve_client, args=(connection, peer), name="weightstream-cache-client", daemon=True
         )
         with self._lock:
             self._connections[thread] = connection
         thread.start()
 
-    def _serve_client(self, connection: socket.socket) -> None:
+    def _serve_client(self, connection: socket.socket, peer: Peer) -> None:
         try:
             with connection:
-                peer = peer_of(connection)
                 if not self._allowed(peer):
                     self._refuse(connection, peer)
                     return
@@ -274,6 +295,7 @@ class CacheDaemon:
         finally:
             with self._lock:
                 self._connections.pop(threading.current_thread(), None)
+                self._per_user[peer.uid] -= 1
             self._clients.release()
 
     def _refuse(self, connection: socket.socket, peer: Peer) -> None:
