@@ -116,7 +116,7 @@ def read_bytes(pid: int) -> int:
 def processes(checkpoint: str, count: int, options: dict, daemon_pid: int | None) -> dict:
     """``count`` processes loading ``checkpoint`` at once from a cold page cache (and an empty cache):
     bytes read from storage (theirs and the daemon's) and node memory (Shmem + their anonymous RSS)."""
-    from weightstream.sources.pagecache import drop
+    from weightstream.sources.local.pagecache import drop
 
     for path in Path(checkpoint).glob("*.safetensors"):
         drop(str(path))

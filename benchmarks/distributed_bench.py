@@ -27,7 +27,7 @@ from weightstream.bench.demo import demo_checkpoint
 from weightstream.bench.runner import prepare_cache
 from weightstream.cli import parse_size
 from weightstream.planning.checkpoint import find_files
-from weightstream.sources.local import LocalStore
+from weightstream.sources.local.file import LocalStore
 
 RANK = r"""
 import json, sys, time, torch

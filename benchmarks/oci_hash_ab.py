@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 LOAD = """
 import sys, time
-import weightstream, weightstream.sources.blob_hash as blob_hash
+import weightstream, weightstream.sources.oci.digest as blob_hash
 if sys.argv[2] == "off":
     blob_hash.BlobHash.feed = lambda self, at, piece: None
 started = time.perf_counter()

@@ -25,7 +25,7 @@ TENSORS = 17_408
 RUN = """
 import sys, time
 import torch, weightstream
-from weightstream.sources.local import LocalFile
+from weightstream.sources.local.file import LocalFile
 slow = float(sys.argv[2]) / 1000
 if slow:
     read_into = LocalFile.read_into

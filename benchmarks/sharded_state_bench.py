@@ -23,7 +23,7 @@ from weightstream.bench.runner import prepare_cache, run_worker
 from weightstream.cli import parse_size
 from weightstream.planning.checkpoint import find_files
 from weightstream.save.convert import convert_to_sharded_state
-from weightstream.sources.local import LocalStore
+from weightstream.sources.local.file import LocalStore
 
 METHODS = ("weightstream", "weightstream-rank0", "weightstream-rank0-verify")
 

@@ -35,7 +35,7 @@ def adapters_said() -> Iterator[list[str]]:
 
 def make_cold(model: str) -> None:
     """Drop the model's safetensors files from the page cache."""
-    from weightstream.sources.pagecache import drop
+    from weightstream.sources.local.pagecache import drop
 
     for path in Path(model).glob("*.safetensors"):
         drop(str(path))

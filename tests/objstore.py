@@ -151,7 +151,7 @@ def put(scheme: str, path: Path, key: str) -> None:
         finally:
             client.close()
         return
-    from weightstream.sources.gcs import GcsStore
+    from weightstream.sources.objects.gcs import GcsStore
 
     with contextlib.closing(GcsStore()) as store:
         store.fs.put_file(str(path), f"{BUCKET}/{key}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from weightstream.sources.backends import MINIMUM_VERSIONS, release
+from weightstream.sources.dependencies import MINIMUM_VERSIONS, release
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightstream.errors import IntegrityError
-from weightstream.sources import blob_hash
-from weightstream.sources.blob_hash import BlobHash
+from weightstream.sources.oci import digest as blob_hash
+from weightstream.sources.oci.digest import BlobHash
 
 
 def pieces(data: bytes, cuts: list[int]) -> list[tuple[int, bytes]]:

@@ -72,7 +72,7 @@ def test_a_cached_load_is_the_checkpoint_as_views_of_shared_memory(tmp_path, dae
 
 
 def test_a_cold_file_is_filled_around_the_page_cache(tmp_path, daemon, no_leaks):
-    from weightstream.sources.pagecache import drop, resident_fraction
+    from weightstream.sources.local.pagecache import drop, resident_fraction
 
     tensors = {"w": torch.randn(3 << 20)}  # 12 MiB and 8 bytes of header: its end is not block-aligned
     save_file(tensors, str(tmp_path / "model.safetensors"))

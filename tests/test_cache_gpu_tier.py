@@ -25,7 +25,7 @@ from weightstream.nodecache.client import CacheClient, CachedStore
 from weightstream.nodecache.protocol import check_request
 from weightstream.nodecache.shared_mapping import map_read_only
 from weightstream.readers.staged import read_staged
-from weightstream.sources.local import LocalStore
+from weightstream.sources.local.file import LocalStore
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

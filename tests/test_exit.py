@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 READS = 2048
 SCRIPT = """
 import sys, time, weightstream
-from weightstream.sources.local import LocalFile
+from weightstream.sources.local.file import LocalFile
 read_into = LocalFile.read_into
 def slow(self, offset, buffer):
     time.sleep(0.005)  # 2,048 reads on 2 threads: about 5 s for the whole load

@@ -17,7 +17,7 @@ from tests.conftest import save_hf_sharded
 from weightstream import handle, registry
 from weightstream.formats.writer import write_safetensors
 from weightstream.planning.plan import LoadPlan
-from weightstream.sources.local import LocalStore
+from weightstream.sources.local.file import LocalStore
 
 SLICED = {
     "rows.f32": torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48),

@@ -68,7 +68,7 @@ def test_a_fifo_as_the_hub_token_file_is_refused_at_once(offline_cache, tmp_path
 
 
 def test_a_fifo_as_the_docker_config_is_refused_at_once(tmp_path, monkeypatch, no_leaks):
-    from weightstream.sources.registry_auth import docker_credentials
+    from weightstream.sources.oci.auth import docker_credentials
 
     os.mkfifo(tmp_path / "config.json")
     monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))
@@ -147,7 +147,7 @@ def test_push_refuses_what_is_not_a_regular_file_before_any_request(tmp_path, ki
 
 
 def test_the_helper_reads_a_regular_file_and_refuses_a_long_one(tmp_path):
-    from weightstream.sources.regular import read_regular
+    from weightstream.sources.local.regular import read_regular
 
     (tmp_path / "small").write_bytes(b"x" * 10)
     assert read_regular(str(tmp_path / "small"), 10) == b"x" * 10

@@ -183,7 +183,7 @@ def test_credentials_never_follow_a_redirect_to_another_host(tmp_path: Path, no_
     ],
 )
 def test_which_redirects_keep_the_credentials(location, kept):
-    from weightstream.sources.http import HttpStore
+    from weightstream.sources.http.store import HttpStore
 
     store = HttpStore(
         {"headers": {"Authorization": "Bearer t", "Cookie": "c", "Proxy-Authorization": "p", "Accept": "*/*"}}

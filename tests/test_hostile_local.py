@@ -18,7 +18,7 @@ import weightstream
 from tests.conftest import assert_same, save_hf_sharded
 from weightstream.bench.demo import LlamaShape, llama_state_dict
 from weightstream.formats.writer import write_safetensors
-from weightstream.sources.pagecache import resident_fraction
+from weightstream.sources.local.pagecache import resident_fraction
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = LlamaShape(hidden=128, intermediate=352, layers=2, vocab=500)
@@ -198,7 +198,7 @@ def test_a_plan_without_versions_is_checked_for_its_size(tmp_path: Path, no_leak
 
     from weightstream.planning.checkpoint import read_plan
     from weightstream.readers.parallel import read_tensors
-    from weightstream.sources.local import LocalStore
+    from weightstream.sources.local.file import LocalStore
 
     directory, state = checkpoint(tmp_path / "v1", seed=1)
     plan = read_plan(LocalStore(), str(directory), lambda name: True)

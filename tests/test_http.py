@@ -12,7 +12,7 @@ import weightstream
 from tests.conftest import assert_same, save_hf_sharded
 from tests.test_objectstore import upload
 from weightstream.bench.demo import LlamaShape, llama_state_dict
-from weightstream.sources.http import HttpStore
+from weightstream.sources.http.store import HttpStore
 
 pytestmark = pytest.mark.slow
 

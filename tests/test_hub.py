@@ -17,8 +17,8 @@ import weightstream
 from tests.conftest import assert_same, save_hf_sharded
 from tests.hub import HubServer, cache_model, commit_of
 from weightstream.bench.demo import LlamaShape, llama_state_dict
-from weightstream.sources import hub
-from weightstream.sources.hub import HubReference, HubSettings, parse_hub_uri
+from weightstream.sources.hub import store as hub
+from weightstream.sources.hub.store import HubReference, HubSettings, parse_hub_uri
 
 SHAPE = LlamaShape(hidden=64, intermediate=160, layers=2, vocab=256)
 NO_HUB = "http://127.0.0.1:9"

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from weightstream.errors import SourceError, TruncatedFileError
-from weightstream.sources import local, pagecache
-from weightstream.sources.local import LocalFile, LocalStore
+from weightstream.sources.local import file as local
+from weightstream.sources.local import pagecache
+from weightstream.sources.local.file import LocalFile, LocalStore
 
 
 @pytest.fixture

@@ -366,7 +366,7 @@ def test_a_token_that_expires_mid_load_is_renewed_and_the_range_retried(token_re
 def test_blobs_redirected_to_object_storage_are_read_there_without_the_registrys_credentials(
     s3_endpoint, tmp_path: Path, no_leaks
 ):
-    from weightstream.sources.oci import OciStore
+    from weightstream.sources.oci.store import OciStore
 
     directory = tmp_path / "s3-registry"
     directory.mkdir()

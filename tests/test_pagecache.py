@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from weightstream.sources.pagecache import drop, resident_fraction, warm
+from weightstream.sources.local.pagecache import drop, resident_fraction, warm
 
 
 def test_drop_then_warm(tmp_path: Path):

@@ -25,7 +25,7 @@ from tests.conftest import assert_same
 from tests.sharded_saver import state as saver_state
 from weightstream import handle
 from weightstream.bench.demo import LlamaShape, llama_state_dict
-from weightstream.sources.local import LocalStore
+from weightstream.sources.local.file import LocalStore
 
 SHAPE = LlamaShape(hidden=128, intermediate=352, layers=3, vocab=500)
 ROOT = Path(__file__).parent.parent

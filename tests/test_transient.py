@@ -12,7 +12,7 @@ from gcsfs.retry import HttpError
 
 import weightstream
 from weightstream.errors import NotFound, SourceError
-from weightstream.sources import gcs, s3
+from weightstream.sources.objects import gcs, s3
 from weightstream.sources.retry import RetryPolicy, Transient
 
 

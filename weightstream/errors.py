@@ -65,9 +65,9 @@ def logger(name: str) -> logging.Logger:
     """The logger ``name`` (a module's ``__name__``), with its lines redacted as error messages are.
 
     Example:
-        >>> log = logger("weightstream.sources.azure")
+        >>> log = logger("weightstream.sources.objects.azure")
         >>> log.name
-        'weightstream.sources.azure'
+        'weightstream.sources.objects.azure'
     """
     named = logging.getLogger(name)
     if _REDACTING not in named.filters:

@@ -140,8 +140,8 @@ def test_zero_copy_tensors_are_private(layout, tmp_path: Path, tiny_state, no_le
 
 
 def test_cold_files_are_read_directly_on_auto(layout, tmp_path: Path, tiny_state, no_leaks):
-    from weightstream.sources import pagecache
-    from weightstream.sources.local import LocalStore
+    from weightstream.sources.local import pagecache
+    from weightstream.sources.local.file import LocalStore
 
     name, writer = layout
     uri = writer(tiny_state, tmp_path / "ckpt")

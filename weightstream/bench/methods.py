@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from weightstream.memory.host import MADV_POPULATE_WRITE
-from weightstream.sources.pagecache import BLOCK
+from weightstream.sources.local.pagecache import BLOCK
 
 Method = Callable[[str, list[str]], Iterator[tuple[str, torch.Tensor]]]
 

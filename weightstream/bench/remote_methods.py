@@ -228,7 +228,7 @@ def limit_oci_ranges(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Te
     import http.client
     import urllib.parse
 
-    from weightstream.sources.oci import OciStore
+    from weightstream.sources.oci.store import OciStore
 
     with contextlib.closing(OciStore()) as store:
         sources = [store.open(path) for path in files]

@@ -23,7 +23,8 @@ from weightstream.bench.worker import REMOTE, file_sizes
 from weightstream.errors import BenchmarkError, CacheError, DeviceUnavailableError, InvalidOptionError
 from weightstream.memory.devices import cuda_available
 from weightstream.planning.checkpoint import find_files
-from weightstream.sources import REMOTE_SCHEMES, pagecache, store_for
+from weightstream.sources import REMOTE_SCHEMES, store_for
+from weightstream.sources.local import pagecache
 
 CACHES = ("cold", "warm")
 SERVER_CACHE = "server"

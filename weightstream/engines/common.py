@@ -17,9 +17,9 @@ from weightstream.errors import EngineUnavailableError, InvalidOptionError, Weig
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
 from weightstream.planning.checkpoint import find_files
 from weightstream.registry import available_loaders, split_options
-from weightstream.sources import hub
-from weightstream.sources.local import LocalStore
-from weightstream.sources.pagecache import resident_fraction
+from weightstream.sources.hub import store as hub
+from weightstream.sources.local.file import LocalStore
+from weightstream.sources.local.pagecache import resident_fraction
 
 log = logger(__name__)
 

@@ -292,7 +292,7 @@ def read_header(source: Source) -> Header:
     """Read and validate the header of an open safetensors source.
 
     Example:
-        >>> from weightstream.sources.local import LocalFile
+        >>> from weightstream.sources.local.file import LocalFile
         >>> with LocalFile(path) as source:  # doctest: +SKIP
         ...     header = read_header(source)
     """

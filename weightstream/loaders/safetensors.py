@@ -14,7 +14,7 @@ from weightstream.planning.checkpoint import CheckpointFiles, read_plan
 from weightstream.planning.plan import LoadPlan
 from weightstream.readers.parallel import read_tensors
 from weightstream.sources import Store
-from weightstream.sources.local import LocalStore
+from weightstream.sources.local.file import LocalStore
 
 
 class SafetensorsLoader:

@@ -48,8 +48,8 @@ from weightstream.errors import (
 )
 from weightstream.nodecache.protocol import HEAD_BYTES, MAX_ANSWER_BYTES, close_all, head_digest, receive, send
 from weightstream.sources.base import Source, Store
-from weightstream.sources.http import HttpStore
-from weightstream.sources.regular import open_regular
+from weightstream.sources.http.store import HttpStore
+from weightstream.sources.local.regular import open_regular
 
 log = logger(__name__)
 

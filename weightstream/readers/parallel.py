@@ -31,8 +31,8 @@ from weightstream.readers.tasks import (
     wants_huge_pages,
 )
 from weightstream.sources.base import Source, Store
-from weightstream.sources.local import LocalStore
-from weightstream.sources.mapped import MappedFile
+from weightstream.sources.local.file import LocalStore
+from weightstream.sources.local.mapped import MappedFile
 
 log = logger(__name__)
 

@@ -27,7 +27,7 @@ import torch
 
 from weightstream.errors import FormatError, InvalidOptionError, WeightstreamError
 from weightstream.formats.strict_json import parse_json
-from weightstream.sources.regular import read_regular
+from weightstream.sources.local.regular import read_regular
 
 ENGINES = ("vllm", "sglang")
 MAX_CONFIG_BYTES = 1 << 20

@@ -22,9 +22,9 @@ from typing import Any, BinaryIO
 
 from weightstream.errors import SaveError, SourceError
 from weightstream.formats import oci
-from weightstream.sources.oci import OciStore
-from weightstream.sources.registry_auth import RegistryAuth
-from weightstream.sources.regular import open_regular
+from weightstream.sources.local.regular import open_regular
+from weightstream.sources.oci.auth import RegistryAuth
+from weightstream.sources.oci.store import OciStore
 
 WEIGHT = "application/vnd.cncf.model.weight.v1.raw"
 WEIGHT_CONFIG = "application/vnd.cncf.model.weight.config.v1.raw"

@@ -8,7 +8,7 @@ from typing import Any
 
 from weightstream.errors import UnsupportedInputError
 from weightstream.sources.base import Source, Store
-from weightstream.sources.local import LocalStore
+from weightstream.sources.local.file import LocalStore
 from weightstream.sources.retry import RetryPolicy
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "oci://", "http://", "https://", "hf://")
@@ -30,7 +30,7 @@ def locate(
         ('LocalStore', '/tmp')
     """
     if uri.startswith("hf://"):
-        from weightstream.sources import hub
+        from weightstream.sources.hub import store as hub
 
         return hub.locate(uri, storage_options, policy)
     return store_for(uri, storage_options, policy), uri
@@ -48,23 +48,23 @@ def store_for(uri: str, storage_options: Mapping[str, Any] | None = None, policy
     if scheme is None or scheme[1] == "file":
         return LocalStore()
     if uri.startswith(("http://", "https://")):
-        from weightstream.sources.http import HttpStore
+        from weightstream.sources.http.store import HttpStore
 
         return HttpStore(storage_options, policy)
     if uri.startswith("s3://"):
-        from weightstream.sources.s3 import S3Store
+        from weightstream.sources.objects.s3 import S3Store
 
         return S3Store(storage_options, policy)
     if uri.startswith(("gs://", "gcs://")):
-        from weightstream.sources.gcs import GcsStore
+        from weightstream.sources.objects.gcs import GcsStore
 
         return GcsStore(storage_options, policy)
     if uri.startswith(("az://", "abfs://")):
-        from weightstream.sources.azure import AzureStore
+        from weightstream.sources.objects.azure import AzureStore
 
         return AzureStore(storage_options, policy)
     if uri.startswith("oci://"):
-        from weightstream.sources.oci import OciStore
+        from weightstream.sources.oci.store import OciStore
 
         return OciStore(storage_options, policy)
     if scheme[1] == "hf":

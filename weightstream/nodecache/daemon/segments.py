@@ -35,7 +35,7 @@ from weightstream.nodecache.daemon.limits import MEMORY_RESERVE_BYTES, cgroup_ro
 from weightstream.nodecache.daemon.references import KEY, references
 from weightstream.nodecache.protocol import HEAD_BYTES, head_digest
 from weightstream.sources.base import CheckedWhole, Source
-from weightstream.sources.local import DIRECT_ALIGNMENT
+from weightstream.sources.local.file import DIRECT_ALIGNMENT
 
 log = logger(__name__)
 

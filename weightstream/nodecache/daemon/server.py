@@ -57,7 +57,7 @@ from weightstream.nodecache.daemon.segments import LOCAL_FILE, Segment, SegmentS
 from weightstream.nodecache.daemon.stores import StorePool
 from weightstream.nodecache.protocol import MAX_REQUEST_BYTES, check_request, close_all, receive, send
 from weightstream.sources.base import Source
-from weightstream.sources.local import LocalFile
+from weightstream.sources.local.file import LocalFile
 
 log = logger(__name__)
 

@@ -7,7 +7,7 @@ import mmap
 import os
 
 from weightstream.errors import SourceError
-from weightstream.sources.regular import open_regular
+from weightstream.sources.local.regular import open_regular
 
 _libc = ctypes.CDLL(
     None, use_errno=True

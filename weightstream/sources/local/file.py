@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Literal
 from typing_extensions import Self
 
 from weightstream.errors import SourceChangedError, SourceError, TruncatedFileError, UnsupportedInputError, logger
-from weightstream.sources.pagecache import fd_resident_fraction, resident_fraction
-from weightstream.sources.regular import open_regular
+from weightstream.sources.local.pagecache import fd_resident_fraction, resident_fraction
+from weightstream.sources.local.regular import open_regular
 
 if TYPE_CHECKING:
-    from weightstream.sources.mapped import MappedFile
+    from weightstream.sources.local.mapped import MappedFile
 
 log = logger(__name__)
 
@@ -165,7 +165,7 @@ class LocalStore:
 
     def mapped(self, uri: str, size: int, version: str | None) -> MappedFile:
         """A private mapping of ``uri``, checked to be the file of ``size`` bytes and ``version`` planned."""
-        from weightstream.sources.mapped import MappedFile
+        from weightstream.sources.local.mapped import MappedFile
 
         return MappedFile(_path(uri), size, version)
 

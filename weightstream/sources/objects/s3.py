@@ -1,5 +1,5 @@
 """Objects in S3 (and S3-compatible stores): metadata and presigned URLs through botocore, tensor bytes
-through our own range client (:mod:`weightstream.sources.http_range`), straight into destination memory.
+through our own range client (:mod:`weightstream.sources.http.transport`), straight into destination memory.
 
 botocore, not s3fs: s3fs runs on aiobotocore, which pins botocore to a narrow range of releases, so
 beside any boto3 (vLLM's images, Run:ai's S3 streamer) pip often cannot resolve both, or backtracks
@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightstream.errors import InvalidOptionError, NotFound, SourceError
-from weightstream.sources.backends import require
-from weightstream.sources.http_range import RangeTarget
-from weightstream.sources.remote import RangeSource, RemoteStore, known_options
+from weightstream.sources.dependencies import require
+from weightstream.sources.http.transport import RangeTarget
+from weightstream.sources.objects.versioned import RangeSource, RemoteStore, known_options
 from weightstream.sources.retry import RetryPolicy, Transient
 
 STORAGE_OPTIONS = (

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from weightstream.errors import NotFound, SourceError
-from weightstream.sources.remote import RangeSource, RemoteStore
+from weightstream.sources.objects.versioned import RangeSource, RemoteStore
 
 
 class ListedStore(RemoteStore):

@@ -1,5 +1,5 @@
 """Objects in Google Cloud Storage: metadata through fsspec's gcsfs, tensor bytes through our own range
-client (:mod:`weightstream.sources.http_range`), straight into destination memory.
+client (:mod:`weightstream.sources.http.transport`), straight into destination memory.
 
 Every object is pinned to the generation seen when it was opened: ranges are fetched from the
 download URL of that generation, so an object replaced mid-load fails its read (404 for the old
@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightstream.errors import NotFound, SourceError
-from weightstream.sources.backends import require
-from weightstream.sources.http_range import RangeTarget
-from weightstream.sources.listed import ListedStore
-from weightstream.sources.remote import RangeSource
+from weightstream.sources.dependencies import require
+from weightstream.sources.http.transport import RangeTarget
+from weightstream.sources.objects.listing import ListedStore
+from weightstream.sources.objects.versioned import RangeSource
 from weightstream.sources.retry import RetryPolicy, Transient
 
 VERSION_KEY = "generation"

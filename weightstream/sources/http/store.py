@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightstream.errors import InvalidOptionError, NotFound, SourceError, UnsupportedInputError
-from weightstream.sources.http_range import RangeTarget
-from weightstream.sources.remote import RangeSource, RemoteStore
+from weightstream.sources.http.transport import RangeTarget
+from weightstream.sources.objects.versioned import RangeSource, RemoteStore
 from weightstream.sources.retry import RetryPolicy, Transient
 
 FILE_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")

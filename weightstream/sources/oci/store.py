@@ -10,10 +10,10 @@ again and the range resumes).
 
 Auth: anonymous, basic, or the bearer-token flow (``WWW-Authenticate: Bearer realm=...``): credentials from
 ``storage_options`` (``username``, ``password``) or the Docker config file (``$DOCKER_CONFIG/config.json`` or
-``~/.docker/config.json``, its ``auths``) (``weightstream.sources.registry_auth``). A token that expires (a 401
+``~/.docker/config.json``, its ``auths``) (``weightstream.sources.oci.auth``). A token that expires (a 401
 mid-load) is asked for again and the range retried.
 
-Integrity: each blob's bytes are hashed (sha256) in blob order as they arrive (``weightstream.sources.blob_hash``:
+Integrity: each blob's bytes are hashed (sha256) in blob order as they arrive (``weightstream.sources.oci.digest``:
 a reader whose piece is next hashes it in place, one ahead waits for its turn, then copies its piece aside). A
 blob is checked against its digest when its last byte is hashed; small gaps the load never reads (tar headers)
 are read when its file closes. A mismatch is :class:`IntegrityError` naming the blob and the file. A load
@@ -39,10 +39,10 @@ from weightstream.errors import (
     logger,
 )
 from weightstream.formats import oci
-from weightstream.sources.blob_hash import BlobHash
-from weightstream.sources.http_range import RangeTarget
-from weightstream.sources.registry_auth import Exchange, RegistryAuth
-from weightstream.sources.remote import RemoteStore, known_options
+from weightstream.sources.http.transport import RangeTarget
+from weightstream.sources.objects.versioned import RemoteStore, known_options
+from weightstream.sources.oci.auth import Exchange, RegistryAuth
+from weightstream.sources.oci.digest import BlobHash
 from weightstream.sources.retry import RetryPolicy
 
 log = logger(__name__)

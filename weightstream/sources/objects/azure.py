@@ -1,5 +1,5 @@
 """Blobs in Azure Blob Storage (``az://container/path``, ``abfs://container/path``): metadata and listing through
-fsspec's adlfs, tensor bytes through our own range client (:mod:`weightstream.sources.http_range`), straight into
+fsspec's adlfs, tensor bytes through our own range client (:mod:`weightstream.sources.http.transport`), straight into
 destination memory, as for S3 and GCS.
 
 Every blob is pinned to the ETag seen when it was opened: ranges are fetched with ``If-Match``, so a blob
@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from weightstream.errors import InvalidOptionError, NotFound, SourceError
-from weightstream.sources.backends import require
-from weightstream.sources.http_range import RangeTarget
-from weightstream.sources.listed import ListedStore
-from weightstream.sources.remote import RangeSource, known_options
+from weightstream.sources.dependencies import require
+from weightstream.sources.http.transport import RangeTarget
+from weightstream.sources.objects.listing import ListedStore
+from weightstream.sources.objects.versioned import RangeSource, known_options
 from weightstream.sources.retry import RetryPolicy, Transient
 
 STORAGE_OPTIONS = ("account_name", "account_key", "sas_token", "connection_string", "anon", "account_host")

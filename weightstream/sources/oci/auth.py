@@ -15,7 +15,7 @@ from typing import Any
 from weightstream.errors import AccessDeniedError, FormatError, NotFound, SourceError
 from weightstream.formats import oci
 from weightstream.formats.strict_json import parse_json
-from weightstream.sources.regular import read_regular
+from weightstream.sources.local.regular import read_regular
 
 MAX_TOKEN_BYTES = 1 << 20
 MAX_CONFIG_BYTES = 1 << 20

@@ -7,8 +7,8 @@ import os
 import torch
 
 from weightstream.errors import SourceChangedError, SourceError
-from weightstream.sources.local import check_identity
-from weightstream.sources.regular import open_regular
+from weightstream.sources.local.file import check_identity
+from weightstream.sources.local.regular import open_regular
 
 
 class MappedFile:

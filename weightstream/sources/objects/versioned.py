@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from weightstream.errors import InvalidOptionError, SourceError
-from weightstream.sources.http_range import RangeClient, RangeTarget
+from weightstream.sources.http.transport import RangeClient, RangeTarget
 from weightstream.sources.retry import RetryPolicy
 
 

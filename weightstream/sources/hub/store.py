@@ -32,9 +32,9 @@ from weightstream.errors import (
 )
 from weightstream.formats.index import INDEX_NAME, MAX_INDEX_BYTES, parse_index
 from weightstream.sources.base import Store
-from weightstream.sources.http import HttpStore, RedirectTrail
-from weightstream.sources.local import LocalStore
-from weightstream.sources.regular import read_regular
+from weightstream.sources.http.store import HttpStore, RedirectTrail
+from weightstream.sources.local.file import LocalStore
+from weightstream.sources.local.regular import read_regular
 from weightstream.sources.retry import RetryPolicy, Transient
 
 log = logger(__name__)

@@ -1,0 +1,1 @@
+"""Hugging Face model ids: the Hub cache and the Hub, as a store."""

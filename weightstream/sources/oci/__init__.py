@@ -1,0 +1,1 @@
+"""OCI registries: artifacts as a store, registry credentials, the blob digest check."""
