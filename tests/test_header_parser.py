@@ -349,14 +349,14 @@ def _plan_peak(uri) -> tuple[int, int]:
 def test_headers_parsed_at_once_stay_within_the_parse_budget(tmp_path, monkeypatch):
     """Eight hostile headers of zero-size tensors (each ~10x its size in objects while parsed): within a
     budget of one header they are parsed one after another, so the plan's peak is one header's, not eight."""
-    from weightstream.formats import safetensors as format_module
+    from weightstream.planning import headers as headers_module
 
     directory = _zero_size_checkpoint(tmp_path / "many", files=8, tensors=6_000)
     one_header = (directory / "part-0.safetensors").stat().st_size
     single, held_by_one = _plan_peak(directory / "part-0.safetensors")
-    monkeypatch.setattr(format_module, "PARSE_BUDGET", format_module.ParseBudget(one_header))
+    monkeypatch.setattr(headers_module, "PARSE_BUDGET_BYTES", one_header)
     bounded, held = _plan_peak(directory)
-    monkeypatch.setattr(format_module, "PARSE_BUDGET", format_module.ParseBudget(1 << 40))
+    monkeypatch.setattr(headers_module, "PARSE_BUDGET_BYTES", 1 << 40)
     unbounded, _ = _plan_peak(directory)
     parsing = single - held_by_one  # what one header costs above what its plan keeps
     assert bounded - held <= 4 * parsing, (
@@ -374,7 +374,7 @@ def test_headers_parsed_at_once_stay_within_the_parse_budget(tmp_path, monkeypat
 def test_a_header_larger_than_the_budget_is_parsed_alone():
     import threading
 
-    from weightstream.formats.safetensors import ParseBudget
+    from weightstream.planning.headers import ParseBudget
 
     budget = ParseBudget(100)
     entered, release = threading.Event(), threading.Event()

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from weightstream.errors import FormatError, NotFound, ShardIndexError, TensorNotFound, UnsupportedInputError
 from weightstream.formats.index import INDEX_NAME, MAX_INDEX_BYTES, ShardIndex, parse_index
-from weightstream.formats.safetensors import Header, read_header
+from weightstream.formats.safetensors import Header
+from weightstream.planning.headers import ParseBudget, read_header
 from weightstream.planning.plan import FileSpec, LoadPlan, TensorSpec
 from weightstream.sources.base import Source, Store
 
@@ -116,9 +117,10 @@ def read_plan(
     wants: Callable[[str], bool],
     required: Collection[str] = (),
     checkpoint: CheckpointFiles | None = None,
+    parse_budget: ParseBudget | None = None,
 ) -> LoadPlan:
     """Read every header of the checkpoint at ``uri`` (or of ``checkpoint``'s files) and plan the tensors ``wants``
-    selects.
+    selects, their parses held within ``parse_budget`` (default: a budget of its own, ``ParseBudget()``).
 
     ``required`` names must all exist. Headers are validated in full before anything
     else is allocated; the index (if any) must agree with the shards exactly.
@@ -134,13 +136,14 @@ def read_plan(
     # Each header is a round trip to an object store: read them side by side. map() raises the
     # error of the first failing file in checkpoint order, as reading them one by one would. One
     # header is read on this thread: starting a pool costs more than a warm local header (0.3 ms).
+    budget = ParseBudget() if parse_budget is None else parse_budget
     if len(checkpoint.files) == 1:
-        opened = [_header_of(store, checkpoint.files[0])]
+        opened = [_header_of(store, checkpoint.files[0], budget)]
     else:
         with ThreadPoolExecutor(
             max_workers=min(HEADER_READERS, len(checkpoint.files)), thread_name_prefix="weightstream-plan"
         ) as pool:
-            opened = list(pool.map(lambda path: _header_of(store, path), checkpoint.files))
+            opened = list(pool.map(lambda path: _header_of(store, path, budget), checkpoint.files))
     for path, (source, header) in zip(checkpoint.files, opened, strict=True):
         files.append(
             FileSpec(
@@ -175,10 +178,10 @@ def read_plan(
     return LoadPlan(uri=uri, files=tuple(files), tensors=tuple(tensors))
 
 
-def _header_of(store: Store, path: str) -> tuple[Source, Header]:
+def _header_of(store: Store, path: str, budget: ParseBudget) -> tuple[Source, Header]:
     """The (closed) source of ``path``, which still tells its size and version, and its validated header."""
     with contextlib.closing(store.open(path)) as source:
-        return source, read_header(source)
+        return source, read_header(source, budget)
 
 
 def _check_index(checkpoint: CheckpointFiles, found: dict[str, str]) -> None:
