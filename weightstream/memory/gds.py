@@ -18,7 +18,8 @@ from types import ModuleType
 import torch
 
 from weightstream.errors import DeviceUnavailableError
-from weightstream.sources.local.file import check_identity, open_regular
+from weightstream.sources.local.identity import check_identity
+from weightstream.sources.local.regular import open_regular
 
 NVIDIA_FS = "/sys/module/nvidia_fs"
 """Present when the nvidia-fs kernel module (true GPUDirect DMA) is loaded."""

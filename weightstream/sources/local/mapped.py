@@ -7,7 +7,7 @@ import os
 import torch
 
 from weightstream.errors import SourceChangedError, SourceError
-from weightstream.sources.local.file import check_identity
+from weightstream.sources.local.identity import check_identity
 from weightstream.sources.local.regular import open_regular
 
 
