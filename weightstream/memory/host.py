@@ -24,16 +24,12 @@ import torch
 from weightstream.errors import HostMemoryError, logger
 from weightstream.memory import pinning
 from weightstream.planning.plan import TensorSpec
+from weightstream.sources.local.raw_mapping import advise
 
 log = logger(__name__)
 
 MADV_POPULATE_WRITE = 23
 """Linux 5.14+: fault pages in writable without writing to them (not in Python's mmap module yet)."""
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_madvise = _libc.madvise
-_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_madvise.restype = ctypes.c_int
 
 
 class HostArena:
@@ -88,7 +84,7 @@ class HostArena:
         if self._mapping is None or nbytes == 0 or not self._populate_works:
             return
         start = offset - offset % mmap.PAGESIZE
-        if _madvise(self._address + start, min(self.nbytes, offset + nbytes) - start, MADV_POPULATE_WRITE) != 0:
+        if not advise(self._address + start, min(self.nbytes, offset + nbytes) - start, MADV_POPULATE_WRITE):
             # Kernels before 5.14; the readers then fault the pages themselves.
             self._populate_works = False
             log.info(

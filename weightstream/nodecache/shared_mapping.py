@@ -11,21 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import weakref
 
 import torch
 
 from weightstream.errors import HostMemoryError
 from weightstream.memory import pinning
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_mmap = _libc.mmap
-_mmap.restype = ctypes.c_void_p
-_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_munmap = _libc.munmap
-_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-MAP_FAILED = ctypes.c_void_p(-1).value
+from weightstream.sources.local.raw_mapping import map_file, unmap
 
 
 def map_read_only(fd: int, nbytes: int, *, page_locked: bool = False, what: str = "a segment") -> torch.Tensor:
@@ -46,14 +38,15 @@ def map_read_only(fd: int, nbytes: int, *, page_locked: bool = False, what: str 
     """
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    address = _mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if address in (None, MAP_FAILED):
-        raise HostMemoryError(f"{what}: cannot map its {nbytes} bytes read-only: {os.strerror(ctypes.get_errno())}")
+    try:
+        address = map_file(fd, nbytes, mmap.PROT_READ)
+    except OSError as error:
+        raise HostMemoryError(f"{what}: cannot map its {nbytes} bytes read-only: {error.strerror}") from None
     try:
         if page_locked:
             pinning.register(address, nbytes, read_only=True)
     except BaseException:
-        _munmap(address, nbytes)
+        unmap(address, nbytes)
         raise
     array = (ctypes.c_ubyte * nbytes).from_address(address)
     finaliser = weakref.finalize(array, _release, address, nbytes, page_locked)
@@ -64,4 +57,4 @@ def map_read_only(fd: int, nbytes: int, *, page_locked: bool = False, what: str 
 def _release(address: int, nbytes: int, page_locked: bool) -> None:
     if page_locked:
         pinning.unregister(address)
-    _munmap(address, nbytes)
+    unmap(address, nbytes)

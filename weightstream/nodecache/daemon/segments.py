@@ -36,17 +36,12 @@ from weightstream.nodecache.daemon.references import KEY, references
 from weightstream.nodecache.protocol import HEAD_BYTES, head_digest
 from weightstream.sources.base import CheckedWhole, Source
 from weightstream.sources.local.file import DIRECT_ALIGNMENT
+from weightstream.sources.local.raw_mapping import advise, map_file, unmap
 
 log = logger(__name__)
 
 FILL_CHUNK_BYTES = 8 << 20
 """The fill's read requests."""
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 CANCEL_POLL_S = 0.1
 """How often a fill looks whether it was cancelled (the daemon stopping)."""
 MANIFEST_VERSION = 2
@@ -328,15 +323,16 @@ def _read_whole(
         the first read's error, as the source raised it (every other read stopped first).
         CacheUnavailableError: ``cancel`` was set before the reads were done.
     """
-    address = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if address in (None, _MAP_FAILED):
-        raise CacheError(f"{source.uri}: cannot map {length} bytes for its fill: {os.strerror(ctypes.get_errno())}")
+    try:
+        address = map_file(fd, length, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as error:
+        raise CacheError(f"{source.uri}: cannot map {length} bytes for its fill: {error.strerror}") from None
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="weightstream-cache-fill")
     failure: BaseException | None = None
     abandoned = False
     try:
         if huge_pages:
-            _libc.madvise(address, length, mmap.MADV_HUGEPAGE)  # refused without transparent huge pages: 4 KiB pages
+            advise(address, length, mmap.MADV_HUGEPAGE)  # refused without transparent huge pages: 4 KiB pages
         view = memoryview((ctypes.c_ubyte * length).from_address(address)).cast("B")
         reads = [
             pool.submit(_read_piece, source, offset, view[offset : offset + FILL_CHUNK_BYTES], cancel)
@@ -355,7 +351,7 @@ def _read_whole(
     finally:
         pool.shutdown(wait=not abandoned)
         if not abandoned:
-            _libc.munmap(address, length)
+            unmap(address, length)
     if failure is not None:
         raise failure
 

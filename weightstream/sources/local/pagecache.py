@@ -7,16 +7,8 @@ import mmap
 import os
 
 from weightstream.errors import SourceError
+from weightstream.sources.local.raw_mapping import map_file, resident_pages, unmap
 from weightstream.sources.local.regular import open_regular
-
-_libc = ctypes.CDLL(
-    None, use_errno=True
-)  # the C library the interpreter already links (find_library spawns ldconfig: 3 ms)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 BLOCK = 16 << 20
 
@@ -81,18 +73,20 @@ def fd_resident_fraction(fd: int, size: int, path: str) -> float:
         offset = number * WINDOW_BYTES
         length = min(WINDOW_BYTES, size - offset)
         pages = (length + page - 1) // page
-        address = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
-        if address in (None, _MAP_FAILED):
-            error = ctypes.get_errno()
-            raise SourceError(
-                f"{path}: cannot map bytes {offset}..{offset + length} to probe the page cache: {os.strerror(error)}"
-            )
         try:
-            if _libc.mincore(address, length, vector) != 0:
-                error = ctypes.get_errno()
-                raise SourceError(f"{path}: mincore of bytes {offset}..{offset + length} failed: {os.strerror(error)}")
+            address = map_file(fd, length, mmap.PROT_READ, offset)
+        except OSError as error:
+            raise SourceError(
+                f"{path}: cannot map bytes {offset}..{offset + length} to probe the page cache: {error.strerror}"
+            ) from None
+        try:
+            resident_pages(address, length, vector)
+        except OSError as error:
+            raise SourceError(
+                f"{path}: mincore of bytes {offset}..{offset + length} failed: {error.strerror}"
+            ) from None
         finally:
-            _libc.munmap(address, length)
+            unmap(address, length)
         # One byte per page; only its lowest bit is defined, the others are zero today.
         resident += pages - ctypes.string_at(vector, pages).count(0)
         probed += pages

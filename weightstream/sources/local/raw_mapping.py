@@ -1,0 +1,64 @@
+"""Files mapped by address, through the C library's ``mmap``: what Python's ``mmap`` module cannot do (a mapping
+that no view of it keeps alive, unmapped when its owner says; an address for ``mincore`` or a device to read).
+
+The page-cache probe, the node cache's fills and its read-only segments for copy engines map files this way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+_libc = ctypes.CDLL(None, use_errno=True)  # the C library the interpreter already links (find_library: 3 ms)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_file(fd: int, length: int, prot: int, offset: int = 0) -> int:
+    """The address of ``length`` bytes of file ``fd`` from ``offset``, mapped shared with ``prot``; the caller
+    unmaps it (:func:`unmap`).
+
+    Raises:
+        OSError: the kernel refused (its errno).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as file:
+        ...     _ = file.write(b"weights!")
+        ...     file.flush()
+        ...     address = map_file(file.fileno(), 8, mmap.PROT_READ)
+        ...     ctypes.string_at(address, 8), unmap(address, 8)
+        (b'weights!', None)
+    """
+    address = _libc.mmap(None, length, prot, mmap.MAP_SHARED, fd, offset)
+    if address in (None, MAP_FAILED):
+        number = ctypes.get_errno()
+        raise OSError(number, os.strerror(number))
+    return address
+
+
+def unmap(address: int, length: int) -> None:
+    """Undo :func:`map_file`."""
+    _libc.munmap(address, length)
+
+
+def advise(address: int, length: int, advice: int) -> bool:
+    """``madvise``: whether the kernel took the advice (it refuses ``MADV_HUGEPAGE`` without transparent huge
+    pages, for one)."""
+    return _libc.madvise(address, length, advice) == 0
+
+
+def resident_pages(address: int, length: int, vector: ctypes.Array[ctypes.c_ubyte]) -> None:
+    """``mincore``: one byte per page of the mapping into ``vector`` (its lowest bit: resident).
+
+    Raises:
+        OSError: the kernel refused (its errno).
+    """
+    if _libc.mincore(address, length, vector) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, os.strerror(number))
