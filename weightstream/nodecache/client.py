@@ -21,6 +21,7 @@ once in the log).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -185,17 +186,14 @@ class CacheClient:
         what = f"the answer of the cache daemon at {self.path}"
         try:
             send(self._socket, message, fds)
-        except (BrokenPipeError, ConnectionResetError) as error:
-            try:
+        except (BrokenPipeError, ConnectionResetError):
+            with contextlib.suppress(OSError, CacheUnavailableError):
                 return receive(self._socket, MAX_ANSWER_BYTES, what)
-            except (OSError, CacheUnavailableError):
-                pass
             try:
                 self._reconnect()
                 send(self._socket, message, fds)
             except OSError as again:
                 raise CacheUnavailableError(f"the cache daemon at {self.path} closed the connection") from again
-            del error
         try:
             return receive(self._socket, MAX_ANSWER_BYTES, what)
         except TimeoutError as error:

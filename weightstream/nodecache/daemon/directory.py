@@ -34,6 +34,36 @@ def is_cache_file(name: str) -> bool:
     return CACHE_FILE.match(name) is not None
 
 
+def own_directory(path: str, where: str, what: str, mode: int = 0o700) -> None:
+    """Make the directory ``path`` (with ``mode``), or check that the one there is a directory of this user's that
+    only it may write. ``where`` and ``what`` name it in errors.
+
+    Raises:
+        CacheConfigError: it cannot be made, is no directory, belongs to another user or others may write it.
+
+    Example:
+        >>> own_directory("/", "--dir /", "the cache directory")  # doctest: +SKIP
+    """
+    try:
+        os.mkdir(path, mode)
+        os.chmod(path, mode)  # whatever the umask took away
+    except FileExistsError:
+        pass
+    except OSError as error:
+        raise CacheConfigError(f"{where}: cannot create {what}: {error.strerror}") from error
+    try:
+        status = os.lstat(path)
+    except OSError as error:
+        raise CacheConfigError(f"{where}: {error.strerror}") from error
+    if not stat.S_ISDIR(status.st_mode):
+        raise CacheConfigError(f"{where}: is not a directory")
+    if status.st_uid != os.getuid() or status.st_mode & 0o022:
+        raise CacheConfigError(
+            f"{where}: {what} must belong to this user (uid {os.getuid()}) and be writable by it alone; it is uid "
+            f"{status.st_uid}, mode {oct(status.st_mode & 0o777)}"
+        )
+
+
 class CacheDirectory:
     """``directory`` claimed for this process until :meth:`release` (see the module's description).
 
@@ -53,23 +83,7 @@ class CacheDirectory:
     def __init__(self, directory: str) -> None:
         self.path = directory
         self.marker = os.path.join(directory, MARKER)
-        try:
-            os.mkdir(directory, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as error:
-            raise CacheConfigError(f"--dir {directory}: cannot create it: {error.strerror}") from error
-        try:
-            status = os.lstat(directory)
-        except OSError as error:
-            raise CacheConfigError(f"--dir {directory}: {error.strerror}") from error
-        if not stat.S_ISDIR(status.st_mode):
-            raise CacheConfigError(f"--dir {directory}: is not a directory")
-        if status.st_uid != os.getuid() or status.st_mode & 0o022:
-            raise CacheConfigError(
-                f"--dir {directory}: the cache directory must belong to this user (uid {os.getuid()}) and be writable "
-                f"by it alone; it is uid {status.st_uid}, mode {oct(status.st_mode & 0o777)}"
-            )
+        own_directory(directory, f"--dir {directory}", "the cache directory")
         if not os.path.exists(self.marker) and not all(is_cache_file(name) for name in os.listdir(directory)):
             raise CacheConfigError(
                 f"--dir {directory}: holds files but is not a weightstream cache directory (no {MARKER}); give a new "

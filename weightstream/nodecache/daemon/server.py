@@ -25,21 +25,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import json
 import os
 import signal
 import socket
-import stat
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 
 from weightstream.errors import (
-    CacheConfigError,
     CacheError,
-    CacheInUseError,
     CacheProtocolError,
     CacheRefusedError,
     CacheUnavailableError,
@@ -51,6 +46,7 @@ from weightstream.errors import (
 from weightstream.nodecache.daemon.credentials import check_own_credentials
 from weightstream.nodecache.daemon.device import DeviceTier
 from weightstream.nodecache.daemon.directory import CacheDirectory
+from weightstream.nodecache.daemon.endpoint import Peer, listen, peer_of, socket_directory, unlink_if_ours
 from weightstream.nodecache.daemon.entries import EntryTable
 from weightstream.nodecache.daemon.limits import clamp_budget
 from weightstream.nodecache.daemon.segments import LOCAL_FILE, Segment, SegmentStore, segment_key, unsigned
@@ -61,11 +57,6 @@ from weightstream.sources.local.file import LocalFile
 
 log = logger(__name__)
 
-CREDENTIALS = struct.Struct("3i")
-"""``struct ucred``: pid, uid, gid."""
-SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-"""The peer's supplementary groups when it connected (Linux 4.13+)."""
-MAX_GROUPS = 65536
 OWNER_OPERATIONS = frozenset({"ls", "evict", "stop"})
 """What only the daemon's own user may ask: a group member may use the cache, not list what others cached (their
 files' paths), empty it or stop it."""
@@ -79,32 +70,6 @@ def default_directory() -> str:
         True
     """
     return f"/dev/shm/weightstream-cache-{os.getuid()}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Peer:
-    """A connected client, as the kernel vouches for it (``SO_PEERCRED``, ``SO_PEERGROUPS``) when it connected."""
-
-    pid: int
-    uid: int
-    gid: int
-    groups: frozenset[int]
-
-    @property
-    def owner(self) -> bool:
-        """Whether it runs as the daemon's own user: only then does the daemon read with its own rights for it."""
-        return self.uid == os.getuid()
-
-
-def peer_of(connection: socket.socket) -> Peer:
-    """Who is at the other end of ``connection``."""
-    pid, uid, gid = CREDENTIALS.unpack(connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, CREDENTIALS.size))
-    try:
-        raw = connection.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * MAX_GROUPS)
-        groups = frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
-    except OSError:  # a kernel before 4.13: the groups the process has now
-        groups = frozenset(_supplementary_groups(pid))
-    return Peer(pid, uid, gid, groups)
 
 
 class CacheDaemon:
@@ -143,9 +108,8 @@ class CacheDaemon:
         self.max_clients_per_user = max(1, max_clients // 2)
         """Connections one user other than the daemon's own may hold at once: no one client's user can take every
         slot (reconnecting as fast as slow requests are dropped)."""
-        self._clients = threading.BoundedSemaphore(max_clients)
-        self._per_user: dict[int, int] = {}
-        self._connections: dict[threading.Thread, socket.socket] = {}
+        self._connections: dict[threading.Thread, tuple[socket.socket, Peer]] = {}
+        """Each client's thread, its connection and who is at the other end: the counts the limits check."""
         self._stopping = threading.Event()
         self._cancel_fills = threading.Event()
         """Set when fills outlast ``stop_timeout_s`` at shutdown: their reads not yet started raise."""
@@ -166,7 +130,7 @@ class CacheDaemon:
         progress given ``stop_timeout_s`` to finish (then cancelled, their clients told); stores, device copies and
         the directory released."""
         try:
-            self._listener, bound = _listen(self.socket_path, self.group)
+            self._listener, bound = listen(self.socket_path, self.group)
         except BaseException:
             self._release()
             raise
@@ -194,7 +158,7 @@ class CacheDaemon:
                 self._start_client(connection)
         finally:
             self._listener.close()
-            _unlink_if_ours(self.socket_path, bound)
+            unlink_if_ours(self.socket_path, bound)
             self._drain()
             self._release()
             log.info("stopped")
@@ -232,9 +196,9 @@ class CacheDaemon:
             **counters,
         }
 
-    def _count(self, counter: str, amount: int = 1) -> None:
+    def _count(self, counter: str) -> None:
         with self._lock:
-            self.counters[counter] += amount
+            self.counters[counter] += 1
 
     def _start_client(self, connection: socket.socket) -> None:
         try:
@@ -242,28 +206,26 @@ class CacheDaemon:
         except OSError:  # gone already
             connection.close()
             return
-        if not self._clients.acquire(blocking=False):
+        thread = threading.Thread(
+            target=self._serve_client, args=(connection, peer), name="weightstream-cache-client", daemon=True
+        )
+        with self._lock:
+            full = len(self._connections) >= self.max_clients
+            held = sum(1 for _, other in self._connections.values() if other.uid == peer.uid)
+            crowded = not full and not peer.owner and held >= self.max_clients_per_user
+            if not full and not crowded:
+                self._connections[thread] = (connection, peer)
+        if full:
             log.warning("refusing a client: %d are connected already", self.max_clients)
             connection.close()
             return
-        with self._lock:
-            held = self._per_user.get(peer.uid, 0)
-            crowded = not peer.owner and held >= self.max_clients_per_user
-            if not crowded:
-                self._per_user[peer.uid] = held + 1
         if crowded:
-            self._clients.release()
             self._count("refused_clients")
             log.warning("refusing a client of uid %d: it holds %d connections already", peer.uid, held)
             with contextlib.suppress(OSError):
                 send(connection, _error(CacheRefusedError(f"uid {peer.uid} holds {held} connections already")))
             connection.close()
             return
-        thread = threading.Thread(
-            target=self._serve_client, args=(connection, peer), name="weightstream-cache-client", daemon=True
-        )
-        with self._lock:
-            self._connections[thread] = connection
         thread.start()
 
     def _serve_client(self, connection: socket.socket, peer: Peer) -> None:
@@ -295,8 +257,6 @@ class CacheDaemon:
         finally:
             with self._lock:
                 self._connections.pop(threading.current_thread(), None)
-                self._per_user[peer.uid] -= 1
-            self._clients.release()
 
     def _refuse(self, connection: socket.socket, peer: Peer) -> None:
         self._count("refused_clients")
@@ -389,35 +349,29 @@ class CacheDaemon:
         """
         uri = str(request["uri"])
         size, version = request.get("size"), request.get("version")
-        if "://" not in uri or uri.startswith("file://"):
-            if len(fds) != 1:
-                raise CacheProtocolError(
-                    f"{uri}: a local file comes to the cache daemon as a descriptor the client opened; "
-                    f"{len(fds)} came with the request"
-                )
-            source: Source = LocalFile.from_descriptor(fds.pop(), uri, direct="auto")
-            key = segment_key(LOCAL_FILE, source.size, source.version)
-        else:
-            if fds:
-                raise CacheProtocolError(f"{uri}: only a local file comes with a descriptor")
-            options: Mapping[str, object] = request.get("storage_options") or {}  # type: ignore[assignment]
-            if not peer.owner:
-                check_own_credentials(uri, options)
-            with self.stores.borrow(uri, options) as store:
+        with contextlib.ExitStack() as held:
+            if "://" not in uri or uri.startswith("file://"):
+                if len(fds) != 1:
+                    raise CacheProtocolError(
+                        f"{uri}: a local file comes to the cache daemon as a descriptor the client opened; "
+                        f"{len(fds)} came with the request"
+                    )
+                source: Source = LocalFile.from_descriptor(fds.pop(), uri, direct="auto")
+                held.callback(source.close)
+                key = segment_key(LOCAL_FILE, source.size, source.version)
+            else:
+                if fds:
+                    raise CacheProtocolError(f"{uri}: only a local file comes with a descriptor")
+                options: Mapping[str, object] = request.get("storage_options") or {}  # type: ignore[assignment]
+                if not peer.owner:
+                    check_own_credentials(uri, options)
+                store = held.enter_context(self.stores.borrow(uri, options))
                 pinned = peer.owner and isinstance(size, int) and isinstance(version, str)
                 source = store.open_pinned(uri, size, version) if pinned else store.open(uri)  # type: ignore[arg-type]
+                held.callback(source.close)
                 key = segment_key(unsigned(uri), source.size, source.version)
-                try:
-                    _check_planned(uri, size, version, source)
-                    yield source, key
-                finally:
-                    source.close()
-            return
-        try:
             _check_planned(uri, size, version, source)
             yield source, key
-        finally:
-            source.close()
 
     @contextlib.contextmanager
     def _device(
@@ -490,7 +444,7 @@ class CacheDaemon:
         the error), and wait for the client threads."""
         with self._lock:
             connections = dict(self._connections)
-        for connection in connections.values():
+        for connection, _ in connections.values():
             with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RD)
         fills = self.entries.fills_in_progress()
@@ -522,68 +476,6 @@ def _check_planned(uri: str, size: object, version: object, source: Source) -> N
 def _names(segment: Segment, uri: str) -> bool:
     """Whether ``uri`` names ``segment``: its file, or a directory (prefix) holding it."""
     return segment.uri == uri or segment.uri.startswith(uri.rstrip("/") + "/")
-
-
-def _listen(path: str, group: int | None) -> tuple[socket.socket, tuple[int, int]]:
-    """A listening socket at ``path``, owner-only (or owner and ``group``), and the identity of its file. A stale
-    socket of this user's (nobody listens) is replaced; anything else at ``path`` is refused, never removed."""
-    try:
-        status = os.lstat(path)
-    except FileNotFoundError:
-        status = None
-    if status is not None:
-        if not stat.S_ISSOCK(status.st_mode):
-            raise CacheConfigError(f"--socket {path}: a file that is not a socket is there; it is left alone")
-        if status.st_uid != os.getuid():
-            raise CacheConfigError(f"--socket {path}: a socket of uid {status.st_uid} is there; it is left alone")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # nobody listens: a daemon that died left it
-        else:
-            raise CacheInUseError(f"--socket {path}: another cache daemon is listening there")
-        finally:
-            probe.close()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    previous = os.umask(0o177 if group is None else 0o117)
-    try:
-        listener.bind(path)
-    except OSError as error:
-        listener.close()
-        raise CacheConfigError(f"--socket {path}: cannot listen there: {error.strerror}") from error
-    finally:
-        os.umask(previous)
-    if group is not None:
-        try:
-            os.chown(path, -1, group)
-        except OSError as error:
-            listener.close()
-            os.unlink(path)
-            raise CacheConfigError(
-                f"--group {group}: cannot give the socket to that group: {error.strerror} (the daemon's user must be "
-                "a member of it)"
-            ) from error
-    listener.listen(128)
-    listener.settimeout(0.2)
-    bound = os.lstat(path)
-    return listener, (bound.st_dev, bound.st_ino)
-
-
-def _unlink_if_ours(path: str, bound: tuple[int, int]) -> None:
-    """Remove the socket file this daemon bound, unless something else has taken its place."""
-    with contextlib.suppress(OSError):
-        status = os.lstat(path)
-        if (status.st_dev, status.st_ino) == bound:
-            os.unlink(path)
-
-
-def _supplementary_groups(pid: int) -> set[int]:
-    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("Groups:"):
-                return {int(group) for group in line.split()[1:]}
-    return set()
 
 
 def _error(error: BaseException) -> dict[str, object]:
@@ -621,7 +513,7 @@ def run_daemon(
         CacheConfigError, CacheInUseError: an option, the directory or the socket refused, before anything starts.
     """
     if default_socket:
-        _socket_directory(os.path.dirname(socket_path), group)
+        socket_directory(os.path.dirname(socket_path), group)
     if budget is not None:
         budget = clamp_budget(budget, directory)
     daemon = CacheDaemon(
@@ -637,22 +529,3 @@ def run_daemon(
     daemon.install_signal_handlers()
     daemon.serve(on_ready=(lambda: print(json.dumps(daemon.status()), flush=True)) if status else None)
     return 0
-
-
-def _socket_directory(path: str, group: int | None) -> None:
-    """Make the default socket's directory (owner-only; traversable by ``group`` if given), or check the one there
-    is this user's and writable by it alone: no other user can put a socket where clients look."""
-    try:
-        os.mkdir(path, 0o700)
-        if group is not None:
-            os.chmod(path, 0o711)  # others pass through to the socket, whose own mode admits the group alone
-    except FileExistsError:
-        pass
-    except OSError as error:
-        raise CacheConfigError(f"{path}: cannot make the socket's directory: {error.strerror}") from error
-    status = os.lstat(path)
-    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o022:
-        raise CacheConfigError(
-            f"{path}: the socket's directory must be this user's (uid {os.getuid()}) and writable by it alone; it is "
-            f"uid {status.st_uid}, mode {oct(status.st_mode & 0o777)}"
-        )
