@@ -37,8 +37,8 @@ class EntryTable:
         self.segments = segments
         self._references = references
         self._lock = threading.Lock()
-        self._fills: dict[str, concurrent.futures.Future[Segment]] = {}
-        self._fill_bytes: dict[str, int] = {}
+        self._fills: dict[str, tuple[concurrent.futures.Future[Segment], int]] = {}
+        """Each entry being filled: the fill's future, and the bytes it will hold."""
         self._pins: dict[str, int] = {}
         self._handed_out: dict[str, float] = {}
         """Key -> when it was last handed out (``time.monotonic()``): a scan that started before does not know of
@@ -51,7 +51,7 @@ class EntryTable:
 
     def fills_in_progress(self) -> list[concurrent.futures.Future[Segment]]:
         with self._lock:
-            return list(self._fills.values())
+            return [future for future, _ in self._fills.values()]
 
     @contextlib.contextmanager
     def hand_out(self, key: str, size: int, uri: str, fill: Callable[[], Segment]) -> Iterator[tuple[Segment, bool]]:
@@ -101,7 +101,7 @@ class EntryTable:
                 if not self._evictable(key, references, started)
             )
             evictable = self.segments.used_bytes - kept
-            shortfall = self.segments.shortfall(size + sum(self._fill_bytes.values()), freed=evictable)
+            shortfall = self.segments.shortfall(size + self._filling_bytes(), freed=evictable)
         if shortfall is not None:
             raise CacheFullError(f"{uri}: {size} bytes do not fit the cache: {shortfall}")
 
@@ -112,11 +112,11 @@ class EntryTable:
                 if segment is not None:
                     self._hold(key, segment)
                     return segment, False
-                waiting = self._fills.get(key)
+                waiting = self._fills.get(key, (None, 0))[0]
                 claimed = waiting is None and self._fits(size)
                 if claimed:
-                    waiting = self._fills[key] = concurrent.futures.Future()
-                    self._fill_bytes[key] = size
+                    waiting = concurrent.futures.Future()
+                    self._fills[key] = (waiting, size)
             if claimed:
                 return self._run_fill(key, waiting, fill), True  # type: ignore[arg-type]
             if waiting is not None:
@@ -124,8 +124,12 @@ class EntryTable:
                 continue
             self._make_room(size, uri)
 
+    def _filling_bytes(self) -> int:
+        """Under the lock: the bytes the fills in progress will hold."""
+        return sum(size for _, size in self._fills.values())
+
     def _fits(self, size: int) -> bool:
-        return self.segments.shortfall(size + sum(self._fill_bytes.values())) is None
+        return self.segments.shortfall(size + self._filling_bytes()) is None
 
     def _make_room(self, size: int, uri: str) -> None:
         """Evict least recently used entries until ``size`` more bytes fit (the ``/proc`` scan outside the lock)."""
@@ -136,7 +140,7 @@ class EntryTable:
                 (s for key, s in self.segments.segments.items() if self._evictable(key, references, started)),
                 key=lambda segment: segment.last_used,
             )
-            while (shortfall := self.segments.shortfall(size + sum(self._fill_bytes.values()))) is not None:
+            while (shortfall := self.segments.shortfall(size + self._filling_bytes())) is not None:
                 if not evictable:
                     raise CacheFullError(f"{uri}: {size} bytes do not fit the cache: {shortfall}")
                 victim = evictable.pop(0)
@@ -162,11 +166,11 @@ class EntryTable:
             segment = fill()
         except BaseException as error:
             with self._lock:
-                del self._fills[key], self._fill_bytes[key]
+                del self._fills[key]
             future.set_exception(error)
             raise
         with self._lock:
-            del self._fills[key], self._fill_bytes[key]
+            del self._fills[key]
             self.segments.publish(segment)
             self._hold(key, segment)
         future.set_result(segment)
