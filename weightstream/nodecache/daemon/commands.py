@@ -9,13 +9,13 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Callable
 
 from weightstream.errors import CacheConfigError, CacheError, DeviceUnavailableError, redact
 from weightstream.nodecache.client import ENVIRONMENT, CacheClient, daemon_uri, default_socket, resolve_socket
+from weightstream.nodecache.daemon.references import KEY
 from weightstream.nodecache.daemon.server import default_directory, run_daemon
 from weightstream.nodecache.protocol import close_all
 from weightstream.progress import ProgressBar
@@ -156,7 +156,7 @@ def _simple(args: argparse.Namespace) -> int:
         if args.entry is None and not args.all:
             raise CacheError("evict: name a KEY or a URI, or pass --all for every entry no process uses")
         if args.entry is not None:
-            is_key = re.fullmatch(r"[0-9a-f]{32}", args.entry) is not None
+            is_key = KEY.match(args.entry) is not None
             message["key" if is_key else "uri"] = args.entry if is_key else daemon_uri(args.entry)
         else:
             message["all"] = True
