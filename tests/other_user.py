@@ -28,14 +28,16 @@ def _needed() -> list[str]:
 
 
 def _closed_parents(paths: Sequence[str]) -> dict[str, set[str]]:
-    """Each directory others may not enter, with the entries in it that ``paths`` lead through."""
+    """Each directory others may not enter, with the entries in it that ``paths`` lead through (every entry, where
+    the needed path is that directory itself: a checkout in a 0700 ``mktemp -d``)."""
     closed: dict[str, set[str]] = {}
     for path in paths:
         parts = Path(path).parts
-        for depth in range(1, len(parts) - 1):
+        for depth in range(1, len(parts) + 1):
             directory = os.path.join(*parts[:depth])
-            if not os.stat(directory).st_mode & stat.S_IXOTH:
-                closed.setdefault(directory, set()).add(parts[depth])
+            if os.path.isdir(directory) and not os.stat(directory).st_mode & stat.S_IXOTH:
+                entries = {parts[depth]} if depth < len(parts) else set(os.listdir(directory))
+                closed.setdefault(directory, set()).update(entries)
                 break
     return closed
 
@@ -48,8 +50,10 @@ def as_user(argv: Sequence[str], uid: int = NOBODY, gid: int = NOBODY, groups: S
         ['bash', 'id']
     """
     script = ["set -e"]
-    for number, (directory, entries) in enumerate(sorted(_closed_parents(_needed()).items())):
-        descriptors = {entry: 10 + number * 16 + index for index, entry in enumerate(sorted(entries))}
+    next_fd = 10
+    for directory, entries in sorted(_closed_parents(_needed()).items()):
+        descriptors = {entry: next_fd + index for index, entry in enumerate(sorted(entries))}
+        next_fd += len(descriptors)
         script += [f"exec {fd}<{shlex.quote(os.path.join(directory, entry))}" for entry, fd in descriptors.items()]
         script.append(f"mount -t tmpfs -o mode=0755,size=1m weightstream-test {shlex.quote(directory)}")
         for entry, fd in descriptors.items():
