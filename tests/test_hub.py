@@ -17,8 +17,9 @@ import weightstream
 from tests.conftest import assert_same, save_hf_sharded
 from tests.hub import HubServer, cache_model, commit_of
 from weightstream.bench.demo import LlamaShape, llama_state_dict
-from weightstream.sources.hub import store as hub
-from weightstream.sources.hub.store import HubReference, HubSettings, parse_hub_uri
+from weightstream.sources.hub.api import HubSettings
+from weightstream.sources.hub.ids import HubReference, hub_uri, looks_like_repo_id, parse_hub_uri
+from weightstream.sources.hub.store import pin
 
 SHAPE = LlamaShape(hidden=64, intermediate=160, layers=2, vocab=256)
 NO_HUB = "http://127.0.0.1:9"
@@ -95,7 +96,7 @@ def test_any_text_is_a_reference_or_a_typed_refusal(rest):
     except weightstream.UnsupportedInputError as error:
         assert str(error).startswith("hf://")
     else:
-        assert hub.looks_like_repo_id(reference.repo_id) and ".." not in reference.path.split("/")
+        assert looks_like_repo_id(reference.repo_id) and ".." not in reference.path.split("/")
 
 
 @pytest.mark.parametrize(
@@ -249,7 +250,7 @@ def test_a_pinned_id_reads_its_commit_after_the_branch_moves(hub_environment, mo
     with HubServer(tmp_path / "hub") as server:
         commit = server.publish("org/moving", first)
         monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-        pinned = hub.pin("hf://org/moving")
+        pinned = pin("hf://org/moving")
         assert pinned == f"hf://org/moving@{commit}"
         server.publish("org/moving", second)
         assert_same(weightstream.load_weights(pinned), first_state)
@@ -312,7 +313,7 @@ def test_hub_ids_of_engines_resolve_as_the_engines_do(hub_environment, sharded, 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(weightstream.NotFound, match=r"hf://org/tiny@v2: not in the Hugging Face cache"):
         model_weights("org/tiny", "v2", None, {})
-    assert urllib.parse.unquote(hub.hub_uri("org/tiny", "refs/pr/3")) == "hf://org/tiny@refs/pr/3"
+    assert urllib.parse.unquote(hub_uri("org/tiny", "refs/pr/3")) == "hf://org/tiny@refs/pr/3"
     assert os.path.isdir(snapshot)
 
 

@@ -17,7 +17,8 @@ from weightstream.errors import EngineUnavailableError, InvalidOptionError, Weig
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
 from weightstream.planning.checkpoint import find_files
 from weightstream.registry import available_loaders, split_options
-from weightstream.sources.hub import store as hub
+from weightstream.sources.hub.ids import HUB_SCHEME, hub_uri, looks_like_repo_id
+from weightstream.sources.hub.store import pin
 from weightstream.sources.local.file import LocalStore
 from weightstream.sources.local.pagecache import resident_fraction
 
@@ -139,15 +140,15 @@ def model_weights(
         >>> model_weights("Qwen/Qwen3-0.6B", None, None, {})  # doctest: +SKIP
         ('/root/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/c1899de2...', {})
     """
-    if model.startswith(hub.HUB_SCHEME):
+    if model.startswith(HUB_SCHEME):
         uri = model
-    elif "://" in model or os.path.exists(model) or not hub.looks_like_repo_id(model):
+    elif "://" in model or os.path.exists(model) or not looks_like_repo_id(model):
         return model, options
     else:
-        uri = hub.hub_uri(model, revision)
+        uri = hub_uri(model, revision)
     if download_dir is not None and "storage_options" not in options:
         options = {**options, "storage_options": {"cache_dir": download_dir}}
-    return hub.pin(uri, options.get("storage_options")), options
+    return pin(uri, options.get("storage_options")), options
 
 
 def check_filled(parameters: Collection[str], filled: Collection[str], uri: str) -> None:
