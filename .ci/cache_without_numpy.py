@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import weightstream
-from weightstream.formats.writer import write_safetensors
+from weightstream.save.write import write_safetensors
 
 assert importlib.util.find_spec("numpy") is None, "this check needs an environment without numpy"
 with tempfile.TemporaryDirectory(dir="/dev/shm") as scratch:

@@ -44,7 +44,7 @@ assert len(loaded) == int(sys.argv[3])
 def checkpoint(directory: str) -> str:
     import torch
 
-    from weightstream.formats.writer import write_safetensors
+    from weightstream.save.write import write_safetensors
 
     path = os.path.join(directory, "many.safetensors")
     write_safetensors(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightstream.formats.writer import write_safetensors
+from weightstream.save.write import write_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 READS = 2048

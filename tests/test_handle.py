@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 import weightstream
 from tests.conftest import save_hf_sharded
 from weightstream import handle, registry
-from weightstream.formats.writer import write_safetensors
 from weightstream.planning.plan import LoadPlan
+from weightstream.save.write import write_safetensors
 from weightstream.sources.local.file import LocalStore
 
 SLICED = {

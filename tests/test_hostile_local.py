@@ -17,7 +17,7 @@ import torch
 import weightstream
 from tests.conftest import assert_same, save_hf_sharded
 from weightstream.bench.demo import LlamaShape, llama_state_dict
-from weightstream.formats.writer import write_safetensors
+from weightstream.save.write import write_safetensors
 from weightstream.sources.local.pagecache import resident_fraction
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from weightstream.formats.index import INDEX_NAME
-from weightstream.formats.writer import write_safetensors
+from weightstream.save.write import write_safetensors
 
 GIB = 1 << 30
 

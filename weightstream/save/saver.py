@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from weightstream.errors import InvalidOptionError, OptionError, SaveError
+from weightstream.formats.encoding import encode_header, tensor_pieces
 from weightstream.formats.manifest import (
     CHECKSUMS,
     FileEntry,
@@ -37,7 +38,6 @@ from weightstream.formats.manifest import (
     saving_marker_name,
 )
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, Rank, ShardPattern, check_in_world, describe
-from weightstream.formats.writer import encode_header, tensor_pieces
 
 DEFAULT_MAX_FILE_BYTES = 5 << 30
 """vLLM's default part size."""

@@ -1,10 +1,9 @@
-"""Writing safetensors files (demo checkpoints, conversions): header, then tensor bytes in order."""
+"""Encoding safetensors (pure, no I/O): the header for tensors stored in order, and the bytes of each tensor."""
 
 from __future__ import annotations
 
 import ctypes
 import json
-import os
 import struct
 from collections.abc import Iterator, Mapping
 
@@ -38,23 +37,6 @@ def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
     raw = json.dumps(document, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-(len(raw) + 8) % ALIGNMENT)
     return struct.pack("<Q", len(raw)) + raw
-
-
-def write_safetensors(
-    path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
-) -> int:
-    """Write ``tensors`` (CPU) to ``path`` in the given order; returns the file size.
-
-    Example:
-        >>> write_safetensors("/tmp/w.safetensors", {"w": torch.ones(3)})  # doctest: +SKIP
-        84
-    """
-    header = encode_header(tensors, metadata)
-    with open(path, "wb") as file:
-        file.write(header)
-        for tensor in tensors.values():
-            file.writelines(tensor_pieces(tensor))
-        return file.tell()
 
 
 def tensor_pieces(tensor: torch.Tensor, piece_bytes: int = 64 << 20) -> Iterator[memoryview]:
