@@ -61,3 +61,32 @@ def test_an_abandoned_iterator_does_not_hold_the_interpreter_at_exit(many_reads:
     assert ended - abandoned < 2, (
         f"{ended - abandoned:.1f} s from the abandoned iterator to the exit: its queued reads ran, or a thread held it"
     )
+
+
+LATE_SCRIPT = """
+import sys, threading, time, torch, weightstream
+path = sys.argv[1]
+def expected(name):  # model.layers.<layer>.w<n>: value 16 * layer + n
+    return 16 * int(name.split(".")[2]) + int(name.rsplit("w", 1)[1])
+def load():
+    threading.main_thread().join()  # this load starts once the main thread has ended
+    for format in ("safetensors", "streaming", "layered"):
+        tensors = weightstream.load_weights(path, format=format, threads=2, chunk_bytes=4096)
+        wrong = [name for name, tensor in tensors.items() if tensor[0].item() != expected(name)]
+        print(format, len(tensors), len(wrong), flush=True)
+threading.Thread(target=load).start()
+"""
+
+
+def test_a_load_in_a_thread_that_outlives_the_main_thread_reads_every_tensor(many_reads: Path):
+    result = subprocess.run(
+        [sys.executable, "-c", LATE_SCRIPT, str(many_reads)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr == ""
+    assert result.stdout.splitlines() == [f"{format} {READS} 0" for format in ("safetensors", "streaming", "layered")]

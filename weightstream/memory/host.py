@@ -81,8 +81,8 @@ class HostArena:
         64 MiB in takes tens of milliseconds during which no other reader thread could run
         (measured on the streaming loader: 0.83 GB/s holding it, 0.91 without; benchmarks/README.md).
         """
-        if self._mapping is None or nbytes == 0 or not self._populate_works:
-            return
+        if self._mapping is None or nbytes == 0 or self.pinned or not self._populate_works:
+            return  # page-locking faulted every page in already
         start = offset - offset % mmap.PAGESIZE
         if not advise(self._address + start, min(self.nbytes, offset + nbytes) - start, MADV_POPULATE_WRITE):
             # Kernels before 5.14; the readers then fault the pages themselves.

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import errno
 import json
+import logging
 import os
 import pwd
 import select
@@ -446,17 +447,11 @@ def connect(cache: str) -> CacheClient | None:
     except CacheUnavailableError as error:
         if explicit:
             raise
-        _log_once(f"cache='auto': {error}; reading from the source")
+        # No socket is the usual case on a machine without the daemon: said only at DEBUG. Anything else (a
+        # stale socket of a daemon that died, one that does not answer) is worth a line at every load.
+        level = logging.DEBUG if isinstance(error.__cause__, FileNotFoundError) else logging.INFO
+        log.log(level, "cache='auto': %s; reading from the source", error)
         return None
-
-
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info(message)
 
 
 def _typed_error(answer: Mapping[str, object], path: str) -> Exception:

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Collection, Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 from weightstream.errors import FormatError, NotFound, ShardIndexError, TensorNotFound, UnsupportedInputError
 from weightstream.formats.index import INDEX_NAME, MAX_INDEX_BYTES, ShardIndex, parse_index
@@ -14,6 +13,7 @@ from weightstream.formats.safetensors import Header
 from weightstream.planning.headers import ParseBudget, read_header
 from weightstream.planning.plan import FileSpec, LoadPlan, TensorSpec
 from weightstream.sources.base import Source, Store
+from weightstream.workers import WorkerPool
 
 SAFETENSORS_SUFFIX = ".safetensors"
 HEADER_READERS = 8
@@ -140,10 +140,12 @@ def read_plan(
     if len(checkpoint.files) == 1:
         opened = [_header_of(store, checkpoint.files[0], budget)]
     else:
-        with ThreadPoolExecutor(
-            max_workers=min(HEADER_READERS, len(checkpoint.files)), thread_name_prefix="weightstream-plan"
-        ) as pool:
-            opened = list(pool.map(lambda path: _header_of(store, path, budget), checkpoint.files))
+        pool = WorkerPool(min(HEADER_READERS, len(checkpoint.files)), "weightstream-plan")
+        try:
+            reads = [pool.submit(_header_of, store, path, budget) for path in checkpoint.files]
+            opened = [read.result() for read in reads]
+        finally:
+            pool.shutdown()
     for path, (source, header) in zip(checkpoint.files, opened, strict=True):
         files.append(
             FileSpec(

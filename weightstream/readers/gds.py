@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 
 import torch
@@ -26,8 +25,7 @@ from weightstream.planning.plan import LoadPlan, ReadRequest, layout_file
 from weightstream.readers.tasks import (
     THREAD_NAME_PREFIX,
     buffer_tensor,
-    forget_failures,
-    load_stop_flag,
+    start_readers,
     tensors_as_read,
 )
 
@@ -55,17 +53,9 @@ def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator
             )
             for layout in layouts
         ]
-        futures: dict[Future, tuple[int, int]] = {}
-        cleanup.callback(forget_failures, futures)
-        stop = load_stop_flag()
-        readers = ThreadPoolExecutor(
-            max_workers=opts.reader_threads,
-            thread_name_prefix=THREAD_NAME_PREFIX + "-gds",
-            initializer=torch.cuda.set_device,
-            initargs=(device.device,),
+        readers, stop, futures = start_readers(
+            cleanup, opts, THREAD_NAME_PREFIX + "-gds", lambda: torch.cuda.set_device(device.device)
         )
-        cleanup.callback(readers.shutdown, wait=True, cancel_futures=True)
-        cleanup.callback(stop.set)
         for file_number, layout in enumerate(layouts):
             for request_number, request in enumerate(layout.requests):
                 task = readers.submit(

@@ -10,9 +10,7 @@ or because the consumer stopped iterating.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -21,16 +19,15 @@ from weightstream.memory.devices import check_destination, check_fits
 from weightstream.memory.host import HostArena, view_as
 from weightstream.nodecache.client import SegmentSource
 from weightstream.options import LoadOptions
-from weightstream.planning.plan import FileLayout, LoadPlan, ReadRequest, layout_file
+from weightstream.planning.plan import FileLayout, LoadPlan, layout_file
 from weightstream.readers.files import FileHandles
 from weightstream.readers.tasks import (
-    THREAD_NAME_PREFIX,
-    read_request,
+    read_into_arena,
     start_readers,
     tensors_as_read,
     wants_huge_pages,
 )
-from weightstream.sources.base import Source, Store
+from weightstream.sources.base import Store
 from weightstream.sources.local.file import LocalStore
 from weightstream.sources.local.mapped import MappedFile
 
@@ -66,11 +63,10 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
         # Dropping the arenas here (not when a traceback lets go of this frame) frees the memory at once.
         cleanup.callback(arenas.clear)
         readers, stop, futures = start_readers(cleanup, opts)
-        if opts.prefault and not pinned:  # pinning faults every page in already
-            prefaulter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME_PREFIX + "-prefault")
-            cleanup.callback(prefaulter.shutdown, wait=True, cancel_futures=True)
-            _submit_prefaults(prefaulter, layouts, arenas)
-        _submit_reads(readers, layouts, sources, arenas, stop, opts, futures)
+        for file_number, (layout, source, arena) in enumerate(zip(layouts, sources, arenas, strict=True)):
+            for request_number, request in enumerate(layout.requests):
+                read = readers.submit(read_into_arena, source, request, arena, stop, opts)
+                futures[read] = (file_number, request_number)
         # No variable of this frame may hold an arena itself (only the list the cleanup empties):
         # a traceback through it would keep the memory.
         yield from tensors_as_read(layouts, futures, lambda file, tensor: _tensor(layouts[file], arenas[file], tensor))
@@ -138,36 +134,6 @@ def _mapped_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator
 def _file_bytes(mapped: MappedFile | SegmentSource, device: torch.device) -> torch.Tensor:
     """A mapped file's bytes: its mapping on the CPU, the node cache daemon's copy of it on a GPU."""
     return mapped.bytes if device.type == "cpu" else mapped.device_bytes(device)  # type: ignore[union-attr]
-
-
-def _submit_prefaults(prefaulter: ThreadPoolExecutor, layouts: list[FileLayout], arenas: list[HostArena]) -> None:
-    """Page faults of fresh memory cost more than the copy on these VMs: one thread takes them ahead
-    of the readers, which then copy (or DMA) into memory that is already there."""
-    for layout, arena in zip(layouts, arenas, strict=True):
-        for request in layout.requests:
-            prefaulter.submit(arena.populate, request.dest_offset, request.nbytes)
-
-
-def _submit_reads(
-    readers: ThreadPoolExecutor,
-    layouts: list[FileLayout],
-    sources: list[Source],
-    arenas: list[HostArena],
-    stop: threading.Event,
-    opts: LoadOptions,
-    futures: dict[Future, tuple[int, int]],
-) -> None:
-    for file_number, (layout, source, arena) in enumerate(zip(layouts, sources, arenas, strict=True)):
-        for request_number, request in enumerate(layout.requests):
-            futures[readers.submit(_read, source, request, arena.view, stop, opts)] = (file_number, request_number)
-
-
-def _read(source: Source, request: ReadRequest, view: memoryview, stop: threading.Event, opts: LoadOptions) -> None:
-    if stop.is_set():
-        return
-    read_request(source, request, view, request.dest_offset)
-    if opts.progress is not None:
-        opts.progress(request.nbytes)
 
 
 def _tensor(layout: FileLayout, arena: HostArena, tensor_number: int) -> tuple[str, torch.Tensor]:

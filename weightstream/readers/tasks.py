@@ -7,9 +7,8 @@ import contextlib
 import queue
 import threading
 import traceback
-import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -18,30 +17,9 @@ from weightstream.memory.host import HostArena, view_as
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import PAGE, FileLayout, ReadRequest, round_up_to_page
 from weightstream.sources.base import Source
+from weightstream.workers import WorkerPool
 
 THREAD_NAME_PREFIX = "weightstream-read"
-_RUNNING: weakref.WeakSet[threading.Event] = weakref.WeakSet()
-"""The stop flags of the loads running in this process."""
-
-
-def _stop_every_load() -> None:
-    """At interpreter exit every unfinished load stops, so that an abandoned iterator's queued reads are
-    skipped, not run, when ``concurrent.futures`` joins its workers (an abandoned load of many reads
-    kept a script from exiting for seconds)."""
-    for stop in list(_RUNNING):
-        stop.set()
-
-
-def load_stop_flag() -> threading.Event:
-    """A new load's stop flag, which is also set when the interpreter exits (see :func:`_stop_every_load`)."""
-    stop = threading.Event()
-    _RUNNING.add(stop)
-    return stop
-
-
-# threading's exit hooks run last-registered first: this one, registered after concurrent.futures'
-# (imported above), runs before it joins the reader threads. atexit would run after the join.
-threading._register_atexit(_stop_every_load)
 
 
 def wants_huge_pages(source: Source, opts: LoadOptions) -> bool:
@@ -82,16 +60,16 @@ def read_into_arena(
 
 
 def start_readers(
-    cleanup: contextlib.ExitStack, opts: LoadOptions
-) -> tuple[ThreadPoolExecutor, threading.Event, dict[Future, Any]]:
+    cleanup: contextlib.ExitStack, opts: LoadOptions, name: str = THREAD_NAME_PREFIX, initializer: Any = None
+) -> tuple[WorkerPool, threading.Event, dict[Future, Any]]:
     """The reader threads of one load, a stop flag and the map of their reads, registered with ``cleanup``
     so that on any exit the flag is set, queued reads are cancelled, running ones finish (their memory
     must not vanish under them) and failed readers' frames let go of the load's memory."""
     futures: dict[Future, Any] = {}
     cleanup.callback(forget_failures, futures)
-    stop = load_stop_flag()
-    readers = ThreadPoolExecutor(max_workers=opts.reader_threads, thread_name_prefix=THREAD_NAME_PREFIX)
-    cleanup.callback(readers.shutdown, wait=True, cancel_futures=True)
+    stop = threading.Event()
+    readers = WorkerPool(opts.reader_threads, name, initializer)
+    cleanup.callback(readers.shutdown)
     cleanup.callback(stop.set)
     return readers, stop, futures
 
