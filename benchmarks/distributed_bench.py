@@ -26,7 +26,7 @@ import tempfile
 from weightstream.bench.demo import demo_checkpoint
 from weightstream.bench.runner import prepare_cache
 from weightstream.cli import parse_size
-from weightstream.planning.checkpoint import find_files
+from weightstream.planning.discover import find_files
 from weightstream.sources.local.file import LocalStore
 
 RANK = r"""

@@ -196,18 +196,20 @@ def test_a_plan_without_versions_is_checked_for_its_size(tmp_path: Path, no_leak
     """Plans made by hand (no versions) still read; a size that changed is still refused."""
     import dataclasses
 
-    from weightstream.planning.checkpoint import read_plan
+    from weightstream.planning.planner import read_plan
+    from weightstream.readers.destination import Destination, Route
     from weightstream.readers.parallel import read_tensors
     from weightstream.sources.local.file import LocalStore
 
+    host = Destination(Route.HOST, torch.device("cpu"))
     directory, state = checkpoint(tmp_path / "v1", seed=1)
     plan = read_plan(LocalStore(), str(directory), lambda name: True)
     unversioned = dataclasses.replace(plan, files=tuple(dataclasses.replace(spec, version=None) for spec in plan.files))
-    assert_same(dict(read_tensors(LocalStore(), unversioned, weightstream.LoadOptions())), state)
+    assert_same(dict(read_tensors(LocalStore(), unversioned, weightstream.LoadOptions(), host)), state)
     with open(directory / "model-00001-of-00002.safetensors", "ab") as file:
         file.write(b"more")
     with pytest.raises(
         weightstream.SourceChangedError,
         match=r"model-00001-of-00002.safetensors: is \d+ bytes now, \d+ when its header was read",
     ):
-        dict(read_tensors(LocalStore(), unversioned, weightstream.LoadOptions()))
+        dict(read_tensors(LocalStore(), unversioned, weightstream.LoadOptions(), host))

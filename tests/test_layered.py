@@ -430,7 +430,7 @@ def test_a_file_truncated_mid_load_is_a_typed_error_and_leaks_nothing(tmp_path: 
         (
             {"device": "cuda", "gds": True},
             weightstream.InvalidOptionError,
-            r"gds=True: the layered loader reaches a GPU through the pinned staging ring",
+            r"gds=True: format='layered' reaches a GPU through the pinned staging ring, not cuFile",
         ),
     ],
 )

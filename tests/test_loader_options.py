@@ -15,9 +15,10 @@ from safetensors.torch import save_file
 import weightstream
 from weightstream import registry
 from weightstream.errors import InvalidOptionError, OptionError
-from weightstream.loaders.safetensors import plan_checkpoint
 from weightstream.options import LoadOptions, is_int
 from weightstream.options_table import BEGIN, END, field_docs, option_rows, options_table
+from weightstream.planning.planner import read_plan
+from weightstream.readers.destination import choose_destination
 from weightstream.readers.parallel import read_tensors
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -43,11 +44,11 @@ class ScalingLoader:
         opts.own(ScaleOptions)
 
     def plan(self, store, uri, opts):
-        return plan_checkpoint(store, uri, opts)
+        return read_plan(store, uri, opts.wants, opts.required)
 
     def iter_weights(self, store, plan, opts) -> Iterator[tuple[str, torch.Tensor]]:
         factor = opts.own(ScaleOptions).factor
-        for name, tensor in read_tensors(store, plan, opts):
+        for name, tensor in read_tensors(store, plan, opts, choose_destination(store, plan.uri, opts, self.name)):
             yield name, tensor * factor
 
 

@@ -82,7 +82,7 @@ def test_missing_object_and_prefix(scheme, no_leaks):
         ("safetensors", {"direct_io": True}, "direct_io=True: {uri} is an object, not a local file"),
         ("safetensors", {"zero_copy": True}, "zero_copy=True: {uri} is an object, not a local file"),
         ("auto", {"direct_io": True}, "direct_io=True: {uri} is an object, not a local file"),
-        ("auto", {"zero_copy": True}, "zero_copy maps whole files: the streaming loader reads into memory of its own"),
+        ("auto", {"zero_copy": True}, "zero_copy=True: {uri} is an object, not a local file"),
     ],
 )
 def test_local_only_options_are_refused_for_objects(

@@ -29,6 +29,7 @@ from weightstream.planning.plan import LoadPlan, TensorSpec
 from weightstream.planning.slices import plan_slice
 from weightstream.registry import bind_options, get_loader, split_options
 from weightstream.sources import REMOTE_SCHEMES, Store, locate
+from weightstream.sources.base import SharedMemory
 
 AUTO = "auto"
 
@@ -103,7 +104,7 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
             store = _through_cache(store, opts)
         # Through the node cache a remote checkpoint's bytes are local shared memory: the views of the
         # safetensors loader beat streaming copies of them.
-        automatic = "safetensors" if getattr(store, "shares_memory", False) else resolve_format(location)
+        automatic = "safetensors" if isinstance(store, SharedMemory) else resolve_format(location)
         loader, opts = chosen or _checked_loader(automatic, opts, own)
         plan = loader.plan(store, location, opts)
     except BaseException:
@@ -500,6 +501,7 @@ def _layer_items(item: tuple[str, Mapping[str, torch.Tensor]]) -> tuple[int, int
 
 def _read_runs(checkpoint: Checkpoint, spec: TensorSpec, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """The bytes of ``runs`` (offsets from the tensor's first byte), concatenated, read on the host."""
+    from weightstream.readers.destination import Destination, Route
     from weightstream.readers.parallel import read_tensors
 
     file = next(entry for entry in checkpoint.plan.files if entry.path == spec.file)
@@ -515,9 +517,10 @@ def _read_runs(checkpoint: Checkpoint, spec: TensorSpec, runs: tuple[tuple[int, 
         for offset, nbytes in runs
     )
     host = dataclasses.replace(checkpoint.options, device="cpu", pin_memory=False, zero_copy=False, gds=False)
+    plan = LoadPlan(checkpoint.uri, (file,), pieces)
     read: dict[str, torch.Tensor] = {}
     with contextlib.closing(
-        read_tensors(checkpoint._store, LoadPlan(checkpoint.uri, (file,), pieces), host)
+        read_tensors(checkpoint._store, plan, host, Destination(Route.HOST, torch.device("cpu")))
     ) as tensors:
         read.update(tensors)
     ordered = [read[piece.name] for piece in pieces]

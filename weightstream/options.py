@@ -279,6 +279,16 @@ class LoadOptions:
             return bool(self.filter(name))
         return name in self.filter
 
+    @property
+    def required(self) -> tuple[str, ...]:
+        """The tensor names a list ``filter`` asks for, which must all exist (a callable filter requires none).
+
+        Example:
+            >>> LoadOptions(filter=["lm_head.weight"]).required
+            ('lm_head.weight',)
+        """
+        return tuple(self.filter) if self.filter is not None and not callable(self.filter) else ()
+
 
 def core_option_names() -> tuple[str, ...]:
     """The options every loader receives (the fields of :class:`LoadOptions` a caller sets).

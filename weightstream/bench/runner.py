@@ -22,7 +22,7 @@ from weightstream.bench.remote_methods import REMOTE_METHODS, remote_skip_reason
 from weightstream.bench.worker import REMOTE, file_sizes
 from weightstream.errors import BenchmarkError, CacheError, DeviceUnavailableError, InvalidOptionError
 from weightstream.memory.devices import cuda_available
-from weightstream.planning.checkpoint import find_files
+from weightstream.planning.discover import find_files
 from weightstream.sources import REMOTE_SCHEMES, store_for
 from weightstream.sources.local import pagecache
 

@@ -15,7 +15,7 @@ import torch
 import weightstream
 from weightstream.errors import EngineUnavailableError, InvalidOptionError, WeightsMismatchError, logger
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
-from weightstream.planning.checkpoint import find_files
+from weightstream.planning.discover import find_files
 from weightstream.registry import available_loaders, split_options
 from weightstream.sources.hub.ids import HUB_SCHEME, hub_uri, looks_like_repo_id
 from weightstream.sources.hub.store import pin

@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from weightstream.errors import InvalidOptionError
-from weightstream.loaders.safetensors import plan_checkpoint
-from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan
+from weightstream.planning.planner import read_plan
+from weightstream.readers.destination import ALL_ROUTES, COPYING_ROUTES, Destination, Route, choose_destination
 from weightstream.readers.distributed import DistributedStats, read_distributed, told_to_peers
 from weightstream.readers.parallel import read_tensors
 from weightstream.sources import Store
+from weightstream.sources.base import SharedMemory
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -38,6 +39,9 @@ class DistributedOptions:
             raise InvalidOptionError(f"stats must be a weightstream.DistributedStats, got {type(self.stats).__name__}")
 
 
+NAME = "distributed"
+
+
 class DistributedLoader:
     """Every rank of ``process_group`` (default: the default group) calls it on the same checkpoint:
     each reads about 1/N of the bytes from storage (local files on a shared filesystem, S3, GCS,
@@ -45,24 +49,22 @@ class DistributedLoader:
     a single-process load. CPU destinations over gloo, CUDA ones (each rank its own device, through
     the pinned staging ring) over NCCL."""
 
-    name: ClassVar[str] = "distributed"
+    name: ClassVar[str] = NAME
     options: ClassVar[type] = DistributedOptions
 
     def check(self, opts: LoadOptions) -> None:
-        if opts.zero_copy is True:
-            raise InvalidOptionError("zero_copy=True: maps whole files; each rank here reads only its share")
-        check_destination(opts.device, opts.pin_memory)
-        _group_of(opts)
+        """Nothing before the store is known: the destination, then the process group, are checked at plan time."""
 
     def plan(self, store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
+        device = choose_destination(store, uri, opts, self.name, COPYING_ROUTES).device
         group = _group_of(opts)
-        device = torch.device(opts.device) if torch.device(opts.device).type == "cuda" else torch.device("cpu")
         with told_to_peers(group, device, uri, "planning"):  # a rank that cannot plan (a missing file) tells the others
-            return plan_checkpoint(store, uri, opts)
+            return read_plan(store, uri, opts.wants, opts.required)
 
     def iter_weights(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
-        pinned = check_destination(opts.device, opts.pin_memory)
-        return _read(store, plan, opts, _group_of(opts), pinned)
+        return _read(
+            store, plan, opts, _group_of(opts), choose_destination(store, plan.uri, opts, self.name, COPYING_ROUTES)
+        )
 
 
 TRANSPORTS = {"cpu": "gloo", "cuda": "nccl"}
@@ -88,29 +90,29 @@ def _group_of(opts: LoadOptions) -> ProcessGroup | None:
     return group
 
 
-def _every_rank_attached(store: Store, opts: LoadOptions, group: ProcessGroup | None) -> bool:
+def _every_rank_attached(store: Store, device: torch.device, group: ProcessGroup | None) -> bool:
     """Whether every rank of ``group`` reads through a node cache (a collective: every rank asks, so that ranks
     that do and ranks that do not still agree on sharing the load)."""
     import torch.distributed as dist
 
-    device = torch.device(opts.device) if torch.device(opts.device).type == "cuda" else torch.device("cpu")
-    attached = torch.tensor([int(getattr(store, "shares_memory", False))], dtype=torch.int32, device=device)
+    attached = torch.tensor([int(isinstance(store, SharedMemory))], dtype=torch.int32, device=device)
     dist.all_reduce(attached, op=dist.ReduceOp.MIN, group=group)
     return bool(attached.item())
 
 
 def _read(
-    store: Store, plan: LoadPlan, opts: LoadOptions, group: ProcessGroup | None, pinned: bool
+    store: Store, plan: LoadPlan, opts: LoadOptions, group: ProcessGroup | None, destination: Destination
 ) -> Iterator[tuple[str, torch.Tensor]]:
     stats = opts.own(DistributedOptions).stats
-    if _every_rank_attached(store, opts, group):
+    if _every_rank_attached(store, destination.device, group):
         # Every rank reads through its node's cache: the bytes are in shared memory on each node already (one read
-        # from storage, one copy, per node); sharing them over the group would only make a copy per rank.
-        yield from read_tensors(store, plan, opts)
+        # from storage, one copy, per node); sharing them over the group would only make a copy per rank. Views of
+        # that memory are then a route too.
+        yield from read_tensors(store, plan, opts, choose_destination(store, plan.uri, opts, NAME, ALL_ROUTES))
         return
-    if torch.device(opts.device).type == "cuda":
+    if destination.route is Route.STAGED:
         from weightstream.memory.cuda import CudaStaging
 
-        yield from read_distributed(store, plan, opts, group, staging=CudaStaging(opts.device), stats=stats)
+        yield from read_distributed(store, plan, opts, group, staging=CudaStaging(destination.device), stats=stats)
     else:
-        yield from read_distributed(store, plan, opts, group, pinned=pinned, stats=stats)
+        yield from read_distributed(store, plan, opts, group, pinned=destination.pinned, stats=stats)

@@ -11,11 +11,11 @@ from typing import ClassVar
 import torch
 
 from weightstream.errors import InvalidOptionError, OptionError, logger
-from weightstream.loaders.safetensors import plan_checkpoint
-from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions, is_int
 from weightstream.planning.layers import Layer, LayerRule, compile_rule, group_layers
 from weightstream.planning.plan import LoadPlan
+from weightstream.planning.planner import read_plan
+from weightstream.readers.destination import COPYING_ROUTES, Destination, Route, choose_destination
 from weightstream.readers.layered import LayerHook, LayerReading, Tensors, read_layers
 from weightstream.sources import Store
 
@@ -81,19 +81,11 @@ class LayeredLoader:
     (``copy_layers=True``)."""
 
     def check(self, opts: LoadOptions) -> None:
-        if opts.zero_copy is True:
-            raise InvalidOptionError(
-                "zero_copy=True: maps whole files, while this loader reads into buffers it reuses; "
-                "use format='safetensors'"
-            )
-        if opts.gds is True:
-            raise InvalidOptionError(
-                "gds=True: the layered loader reaches a GPU through the pinned staging ring, not cuFile"
-            )
-        check_destination(opts.device, opts.pin_memory)
+        """Nothing beyond its own options' checks (the routes: :func:`choose_destination`)."""
 
     def plan(self, store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
-        plan = plan_checkpoint(store, uri, opts)
+        choose_destination(store, uri, opts, self.name, COPYING_ROUTES)
+        plan = read_plan(store, uri, opts.wants, opts.required)
         group_layers(
             plan.tensors, opts.own(LayeredOptions).rule
         )  # a rule that fails on a name fails here, before any read
@@ -101,9 +93,9 @@ class LayeredLoader:
 
     def iter_layers(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, Tensors]]:
         """Yield ``(layer key, {name: tensor})`` for each layer of ``plan``, in layer order."""
-        pinned = check_destination(opts.device, opts.pin_memory)
+        destination = choose_destination(store, plan.uri, opts, self.name, COPYING_ROUTES)
         layers = group_layers(plan.tensors, opts.own(LayeredOptions).rule)
-        return _read(store, plan, layers, opts, pinned)
+        return _read(store, plan, layers, opts, destination)
 
     def iter_weights(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors of :meth:`iter_layers`, one by one: layer after layer, each in stored order."""
@@ -111,17 +103,15 @@ class LayeredLoader:
 
 
 def _read(
-    store: Store, plan: LoadPlan, layers: list[Layer], opts: LoadOptions, pinned: bool
+    store: Store, plan: LoadPlan, layers: list[Layer], opts: LoadOptions, destination: Destination
 ) -> Iterator[tuple[str, Tensors]]:
     staging = None
-    if torch.device(opts.device).type == "cuda":
+    if destination.route is Route.STAGED:
         from weightstream.memory.cuda import CudaStaging
 
-        if opts.gds == "auto":
-            log.info("gds='auto': the layered loader reads through the staging ring")
-        staging = CudaStaging(opts.device)
+        staging = CudaStaging(destination.device)
     yield from read_layers(
-        store, plan, layers, opts, opts.own(LayeredOptions).reading(), pinned=pinned, staging=staging
+        store, plan, layers, opts, opts.own(LayeredOptions).reading(), pinned=destination.pinned, staging=staging
     )
 
 

@@ -37,11 +37,11 @@ from weightstream.formats.sharded_state import (
     in_world,
     is_rank,
 )
-from weightstream.loaders.safetensors import plan_checkpoint
-from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions
-from weightstream.planning.checkpoint import CheckpointFiles, read_small_file
+from weightstream.planning.discover import CheckpointFiles, read_small_file
 from weightstream.planning.plan import LoadPlan
+from weightstream.planning.planner import read_plan
+from weightstream.readers.destination import ALL_ROUTES, Destination, choose_destination
 from weightstream.readers.parallel import read_tensors
 from weightstream.sources import Store
 
@@ -89,13 +89,13 @@ class ShardedStateLoader:
             raise InvalidOptionError(
                 "verify=True checks bytes on the host: load to the CPU (or pinned memory), then move them"
             )
-        check_destination(opts.device, opts.pin_memory)
         _rank_of(opts)
 
     def plan(self, store: Store, uri: str, opts: LoadOptions) -> ShardedStatePlan:
         rank, world_size = _rank_of(opts)
+        choose_destination(store, uri, opts, self.name, ALL_ROUTES)
         paths, manifest = rank_files(store, uri, rank, world_size, opts.own(ShardedStateOptions))
-        plan = plan_checkpoint(store, uri, opts, CheckpointFiles(files=tuple(paths)))
+        plan = read_plan(store, uri, opts.wants, opts.required, CheckpointFiles(files=tuple(paths)))
         if manifest is not None:
             _check_against_manifest(store, plan, manifest, paths)
         elif opts.own(ShardedStateOptions).verify:
@@ -105,13 +105,12 @@ class ShardedStateLoader:
         return ShardedStatePlan(plan.uri, plan.files, plan.tensors, manifest)
 
     def iter_weights(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
-        check_destination(opts.device, opts.pin_memory)
         if not isinstance(plan, ShardedStatePlan):
             raise InvalidOptionError(
                 f"{plan.uri}: the sharded-state loader reads the plans it made (with their manifest), not a "
                 f"{type(plan).__name__}"
             )
-        return _read(store, plan, opts, plan.manifest)
+        return _read(store, plan, opts, plan.manifest, choose_destination(store, plan.uri, opts, self.name, ALL_ROUTES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,18 +282,18 @@ def _check_against_manifest(store: Store, plan: LoadPlan, manifest: Manifest, pa
 
 
 def _read(
-    store: Store, plan: LoadPlan, opts: LoadOptions, manifest: Manifest | None
+    store: Store, plan: LoadPlan, opts: LoadOptions, manifest: Manifest | None, destination: Destination
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Read the plan (checking every tensor with ``verify``); with a manifest, check at the end that the
     rank was not saved again meanwhile: the manifest a save rewrites must be the one planned."""
     if manifest is None:
-        yield from read_tensors(store, plan, opts)
+        yield from read_tensors(store, plan, opts, destination)
         return
     verify = opts.own(ShardedStateOptions).verify
     checksums = _checksums_by_tensor(plan, manifest) if verify else {}
     if verify:
         _verify_headers(store, plan, manifest)
-    with contextlib.closing(read_tensors(store, plan, opts)) as tensors:
+    with contextlib.closing(read_tensors(store, plan, opts, destination)) as tensors:
         for name, tensor in tensors:
             if verify:
                 _verify_tensor(name, tensor, checksums[name], manifest.checksum)

@@ -9,10 +9,10 @@ from typing import ClassVar
 import torch
 
 from weightstream.errors import InvalidOptionError
-from weightstream.loaders.safetensors import plan_checkpoint
-from weightstream.memory.devices import check_destination
 from weightstream.options import LoadOptions, is_int
 from weightstream.planning.plan import LoadPlan
+from weightstream.planning.planner import read_plan
+from weightstream.readers.destination import COPYING_ROUTES, Destination, Route, choose_destination
 from weightstream.readers.streaming import read_streaming, window_bytes
 from weightstream.sources import Store
 
@@ -48,41 +48,40 @@ class StreamingLoader:
     options: ClassVar[type] = StreamingOptions
 
     def check(self, opts: LoadOptions) -> None:
-        if opts.zero_copy is True:
-            raise InvalidOptionError("zero_copy maps whole files: the streaming loader reads into memory of its own")
         window = opts.own(StreamingOptions).max_inflight_bytes
         if window is not None and opts.chunk_bytes is not None and window < opts.chunk_bytes:
             raise InvalidOptionError(
                 f"max_inflight_bytes={window} is less than chunk_bytes={opts.chunk_bytes}: not even one read request "
                 "would fit"
             )
-        check_destination(opts.device, opts.pin_memory)
 
     def plan(self, store: Store, uri: str, opts: LoadOptions) -> LoadPlan:
-        return _fits_window(plan_checkpoint(store, uri, opts), opts)
+        destination = choose_destination(store, uri, opts, self.name, COPYING_ROUTES)
+        return _fits_window(read_plan(store, uri, opts.wants, opts.required), opts, destination)
 
     def iter_weights(self, store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
-        pinned = check_destination(opts.device, opts.pin_memory)
-        return _stream(store, plan, opts, pinned)
+        return _stream(store, plan, opts, choose_destination(store, plan.uri, opts, self.name, COPYING_ROUTES))
 
 
-def _fits_window(plan: LoadPlan, opts: LoadOptions) -> LoadPlan:
+def _fits_window(plan: LoadPlan, opts: LoadOptions, destination: Destination) -> LoadPlan:
     """``plan``, once its largest tensor and (on a GPU) the staging ring are known to fit the window."""
     window = window_bytes(plan, opts, opts.own(StreamingOptions).max_inflight_bytes)
     staging = opts.staging_slots * opts.staging_slot_bytes
-    if torch.device(opts.device).type == "cuda" and staging > window:
+    if destination.route is Route.STAGED and staging > window:
         raise InvalidOptionError(
             f"staging_slots x staging_slot_bytes = {staging} bytes of pinned staging exceed max_inflight_bytes={window}"
         )
     return plan
 
 
-def _stream(store: Store, plan: LoadPlan, opts: LoadOptions, pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(
+    store: Store, plan: LoadPlan, opts: LoadOptions, destination: Destination
+) -> Iterator[tuple[str, torch.Tensor]]:
     window = opts.own(StreamingOptions).max_inflight_bytes
-    if torch.device(opts.device).type == "cuda":
+    if destination.route is Route.STAGED:
         from weightstream.memory.cuda import CudaStaging
         from weightstream.readers.staged import read_staged
 
-        yield from read_staged(store, plan, opts, CudaStaging(opts.device), window)
+        yield from read_staged(store, plan, opts, CudaStaging(destination.device), window)
     else:
-        yield from read_streaming(store, plan, opts, pinned=pinned, max_inflight_bytes=window)
+        yield from read_streaming(store, plan, opts, pinned=destination.pinned, max_inflight_bytes=window)

@@ -268,9 +268,6 @@ class CopySources(Protocol):
 class CachedStore:
     """``inner``'s files, read from the cache daemon at ``client`` (see the module's description)."""
 
-    shares_memory = True
-    """Its files are shared memory: ``zero_copy="auto"`` hands out views of them."""
-
     def __init__(
         self,
         inner: Store,
@@ -314,6 +311,11 @@ class CachedStore:
 
     def mapped(self, uri: str, size: int, version: str | None) -> SegmentSource:
         """The segment of ``uri`` at ``version``, for views of its bytes."""
+        return self._attach(uri, size, version)
+
+    def shared(self, uri: str, size: int, version: str | None) -> SegmentSource:
+        """The segment of ``uri`` at ``version``: shared memory, with the daemon's device copy where it made one
+        (declares :class:`~weightstream.sources.base.SharedMemory`)."""
         return self._attach(uri, size, version)
 
     def close(self) -> None:

@@ -28,14 +28,17 @@ from weightstream.readers.tasks import (
     start_readers,
     tensors_as_read,
 )
+from weightstream.sources.base import DirectIO
 
 
-def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of ``plan`` on ``device``, read with cuFile.
+def read_gds(
+    store: DirectIO, plan: LoadPlan, opts: LoadOptions, device: CudaStaging
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of ``plan`` on ``device``, read with cuFile from ``store``'s files.
 
     Example:
         >>> opts = LoadOptions(device="cuda", gds=True)
-        >>> for name, tensor in read_gds(plan, opts, CudaStaging("cuda")):  # doctest: +SKIP
+        >>> for name, tensor in read_gds(LocalStore(), plan, opts, CudaStaging("cuda")):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
     check_fits(plan.total_bytes, opts.device, plan.uri)
@@ -49,7 +52,9 @@ def read_gds(plan: LoadPlan, opts: LoadOptions, device: CudaStaging) -> Iterator
         addresses = [cleanup.enter_context(gds.registered_buffer(cufile, buffer)) for buffer in destinations]
         handles = [
             cleanup.enter_context(
-                gds.registered_file(cufile, layout.file, specs[layout.file].size, specs[layout.file].version)
+                gds.registered_file(
+                    cufile, store.direct_path(layout.file), specs[layout.file].size, specs[layout.file].version
+                )
             )
             for layout in layouts
         ]

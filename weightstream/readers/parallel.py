@@ -15,11 +15,11 @@ from collections.abc import Iterator
 import torch
 
 from weightstream.errors import DeviceUnavailableError, logger
-from weightstream.memory.devices import check_destination, check_fits
+from weightstream.memory.devices import check_fits
 from weightstream.memory.host import HostArena, view_as
-from weightstream.nodecache.client import SegmentSource
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import FileLayout, LoadPlan, layout_file
+from weightstream.readers.destination import Destination, Route
 from weightstream.readers.files import FileHandles
 from weightstream.readers.tasks import (
     read_into_arena,
@@ -27,27 +27,36 @@ from weightstream.readers.tasks import (
     tensors_as_read,
     wants_huge_pages,
 )
-from weightstream.sources.base import Store
-from weightstream.sources.local.file import LocalStore
-from weightstream.sources.local.mapped import MappedFile
+from weightstream.sources.base import Mapped, MappedBytes, SharedMemory, Store
 
 log = logger(__name__)
 
 
-def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of ``plan``, in completion order.
+def read_tensors(
+    store: Store, plan: LoadPlan, opts: LoadOptions, destination: Destination
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of ``plan``, in completion order, by ``destination``'s route.
 
     Example:
-        >>> for name, tensor in read_tensors(LocalStore(), plan, LoadOptions()):  # doctest: +SKIP
+        >>> destination = choose_destination(LocalStore(), plan.uri, LoadOptions(), "safetensors")  # doctest: +SKIP
+        >>> for name, tensor in read_tensors(LocalStore(), plan, LoadOptions(), destination):  # doctest: +SKIP
         ...     model[name].copy_(tensor)
     """
-    if wants_views(store, opts):
-        yield from _mapped_tensors(store, plan, opts)
+    if destination.route is Route.VIEWS:
+        yield from _mapped_tensors(store, plan, opts, destination.device)
         return
-    if torch.device(opts.device).type == "cuda":
-        yield from _cuda_tensors(store, plan, opts)
+    if destination.route is Route.GDS:
+        from weightstream.memory.cuda import CudaStaging
+        from weightstream.readers.gds import read_gds
+
+        yield from read_gds(store, plan, opts, CudaStaging(destination.device))  # type: ignore[arg-type]  # DirectIO: checked
         return
-    pinned = check_destination(opts.device, opts.pin_memory)
+    if destination.route is Route.STAGED:
+        from weightstream.memory.cuda import CudaStaging
+        from weightstream.readers.staged import read_staged
+
+        yield from read_staged(store, plan, opts, CudaStaging(destination.device))
+        return
     check_fits(plan.total_bytes, opts.device, plan.uri)
     layouts = [layout_file(plan.tensors_of(spec.path), opts.request_bytes(plan.uri)) for spec in plan.files]
     layouts = [layout for layout in layouts if layout.tensor_offsets]
@@ -56,10 +65,10 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
         files = cleanup.enter_context(FileHandles(store, opts))
         sources = [files.source(specs[layout.file]) for layout in layouts]
         arenas = [
-            HostArena(layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=pinned)
+            HostArena(layout.buffer_bytes, huge_pages=wants_huge_pages(source, opts), pinned=destination.pinned)
             for layout, source in zip(layouts, sources, strict=True)
         ]
-        # Registered before the executors' shutdown, so it runs after the readers stopped writing.
+        # Registered before the readers' shutdown, so it runs after the readers stopped writing.
         # Dropping the arenas here (not when a traceback lets go of this frame) frees the memory at once.
         cleanup.callback(arenas.clear)
         readers, stop, futures = start_readers(cleanup, opts)
@@ -72,55 +81,16 @@ def read_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tu
         yield from tensors_as_read(layouts, futures, lambda file, tensor: _tensor(layouts[file], arenas[file], tensor))
 
 
-def _cuda_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
-    """GPUDirect Storage when asked for (and, on "auto", real), else the staging ring."""
-    from weightstream.memory import gds
-    from weightstream.memory.cuda import CudaStaging
-
-    device = CudaStaging(opts.device)
-    if opts.gds is not False:
-        reason = gds.unavailable_reason(need_nvidia_fs=opts.gds == "auto")
-        if reason is None and not isinstance(store, LocalStore):
-            reason = f"{plan.uri} is not a local file"
-        if reason is None:
-            from weightstream.readers.gds import read_gds
-
-            yield from read_gds(plan, opts, device)
-            return
-        if opts.gds is True:
-            raise DeviceUnavailableError(f"gds=True: GPUDirect Storage is not available: {reason}")
-        log.info("gds='auto': reading through the staging ring: %s", reason)
-    from weightstream.readers.staged import read_staged
-
-    yield from read_staged(store, plan, opts, device)
-
-
-def wants_views(store: Store, opts: LoadOptions) -> bool:
-    """Whether tensors are views of file mappings (or of the node cache's device copies, on a GPU):
-    ``zero_copy=True``, or ``"auto"`` over the node cache's shared memory (to the pageable CPU)."""
-    if opts.zero_copy is True:
-        return True
-    shared = getattr(store, "shares_memory", False)
-    return opts.zero_copy == "auto" and shared and torch.device(opts.device).type == "cpu" and opts.pin_memory is False
-
-
-def _mapped_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator[tuple[str, torch.Tensor]]:
-    """``zero_copy``: views of each file's private mapping, after checking the file is unchanged; on a GPU, views
-    of the node cache daemon's read-only copies there."""
-    device = torch.device(opts.device)
-    if device.type == "cuda":
-        check_destination(opts.device, opts.pin_memory)
-        if not getattr(store, "shares_memory", False):
-            raise DeviceUnavailableError(
-                f"zero_copy=True on {opts.device}: {plan.uri} is not read through a node cache daemon (cache= found "
-                "none), whose device copies it would view"
-            )
-        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+def _mapped_tensors(
+    store: Store, plan: LoadPlan, opts: LoadOptions, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views of each file's private mapping (checked unchanged after), or on a GPU of the node cache daemon's
+    read-only copies there."""
     for spec in plan.files:
         tensors = plan.tensors_of(spec.path)
         if not tensors:
             continue
-        mapped = store.mapped(spec.path, spec.size, spec.version)  # type: ignore[attr-defined]
+        mapped = _mapped(store, spec.path, spec.size, spec.version, device)
         try:
             for tensor in tensors:  # no local may hold the mapping (see below)
                 yield tensor.name, view_as(_file_bytes(mapped, device), tensor.offset, tensor)
@@ -131,9 +101,18 @@ def _mapped_tensors(store: Store, plan: LoadPlan, opts: LoadOptions) -> Iterator
             opts.progress(sum(tensor.nbytes for tensor in tensors))
 
 
-def _file_bytes(mapped: MappedFile | SegmentSource, device: torch.device) -> torch.Tensor:
+def _mapped(store: Store, path: str, size: int, version: str | None, device: torch.device) -> MappedBytes:
+    """The node cache's shared bytes where the store is one (on a GPU it must be), else the file's mapping."""
+    if isinstance(store, SharedMemory):
+        return store.shared(path, size, version)
+    if isinstance(store, Mapped) and device.type == "cpu":
+        return store.mapped(path, size, version)
+    raise DeviceUnavailableError(f"{path}: no mapping of it to view on {device}")  # choose_destination refused it
+
+
+def _file_bytes(mapped: MappedBytes, device: torch.device) -> torch.Tensor:
     """A mapped file's bytes: its mapping on the CPU, the node cache daemon's copy of it on a GPU."""
-    return mapped.bytes if device.type == "cpu" else mapped.device_bytes(device)  # type: ignore[union-attr]
+    return mapped.bytes if device.type == "cpu" else mapped.device_bytes(device)  # type: ignore[attr-defined]
 
 
 def _tensor(layout: FileLayout, arena: HostArena, tensor_number: int) -> tuple[str, torch.Tensor]:

@@ -1,8 +1,18 @@
-"""The source interface: a readable object and the store that lists and opens them."""
+"""The source interface: a readable object, the store that lists and opens them, and the capabilities a store may
+declare beyond reading (:class:`Mapped`, :class:`SharedMemory`, :class:`DirectIO`), checked with ``isinstance``.
+
+Example:
+    >>> from weightstream.sources.local.file import LocalStore
+    >>> isinstance(LocalStore(), Mapped), isinstance(LocalStore(), DirectIO), isinstance(LocalStore(), SharedMemory)
+    (True, True, False)
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 from weightstream.errors import SourceChangedError
 
@@ -79,6 +89,52 @@ class Store(Protocol):
 
     def close(self) -> None:
         """Release connections the store holds; idempotent."""
+
+
+class MappedBytes(Protocol):
+    """A whole file's bytes in this process's memory, read-only to it."""
+
+    bytes: torch.Tensor
+    """The file's bytes, ``uint8``, on the CPU."""
+
+    def verify_unchanged(self) -> None:
+        """Raise :class:`SourceChangedError` if the file is no longer the version mapped."""
+
+    def close(self) -> None:
+        """Let go of the mapping (views of it keep it alive); idempotent."""
+
+
+class SharedBytes(MappedBytes, Protocol):
+    """A file's bytes shared by another process, which may also hold a read-only copy of them on a GPU."""
+
+    def device_bytes(self, device: torch.device) -> torch.Tensor:
+        """A view of the copy on ``device`` (``DeviceUnavailableError`` where there is none)."""
+
+
+@runtime_checkable
+class Mapped(Protocol):
+    """A store whose files can be mapped whole (``zero_copy``: tensors are views of them)."""
+
+    def mapped(self, uri: str, size: int, version: str | None) -> MappedBytes:
+        """``uri``, checked to be the file of ``size`` bytes and ``version`` planned, mapped."""
+
+
+@runtime_checkable
+class SharedMemory(Protocol):
+    """A store whose files are memory another process filled and shares read-only (the node cache): views of them
+    cost no copy, on the CPU and, where it holds device copies, on a GPU."""
+
+    def shared(self, uri: str, size: int, version: str | None) -> SharedBytes:
+        """``uri``'s shared bytes, checked to be the file of ``size`` bytes and ``version`` planned."""
+
+
+@runtime_checkable
+class DirectIO(Protocol):
+    """A store of local files, which reads may reach around the page cache: ``O_DIRECT``, and cuFile (GPUDirect
+    Storage) straight to a GPU."""
+
+    def direct_path(self, uri: str) -> str:
+        """The path of ``uri`` on this machine, for a reader that opens it itself (cuFile)."""
 
 
 def check_unchanged(

@@ -162,6 +162,10 @@ class LocalStore:
     def close(self) -> None:
         """Nothing to release: each file is closed by its reader."""
 
+    def direct_path(self, uri: str) -> str:
+        """The path ``uri`` names (a ``file://`` URI's path)."""
+        return _path(uri)
+
     def mapped(self, uri: str, size: int, version: str | None) -> MappedFile:
         """A private mapping of ``uri``, checked to be the file of ``size`` bytes and ``version`` planned."""
         return MappedFile(_path(uri), size, version)
