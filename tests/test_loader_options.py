@@ -4,6 +4,8 @@ the other loaders, given to a third-party loader like to a built-in, and listed 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
@@ -84,16 +86,21 @@ def test_a_third_party_option_is_validated_by_its_dataclass_before_any_io(scaled
 
 def test_the_other_loaders_refuse_a_third_party_option(scaled_loader, checkpoint, no_leaks):
     with pytest.raises(
-        InvalidOptionError, match=r"factor: an option of format='scaled-test'; the safetensors loader does not use it"
+        InvalidOptionError,
+        match=r"factor: an option of format='scaled-test'; format='auto' \(safetensors or streaming\) does not use it",
     ):
         weightstream.load_weights(checkpoint, factor=2)
+    with pytest.raises(
+        InvalidOptionError, match=r"factor: an option of format='scaled-test'; the layered loader does not use it"
+    ):
+        weightstream.load_weights(checkpoint, format="layered", factor=2)
 
 
 def test_an_option_no_loader_knows_is_refused_before_any_io(tmp_path, no_leaks):
     with pytest.raises(
         OptionError,
-        match=r"unknown option\(s\) prefetch_layer; known options: "
-        r".*max_inflight_bytes, .*prefetch_layers, .*zero_copy",
+        match=r"unknown option\(s\) prefetch_layer; known options: .*max_inflight_bytes, .*zero_copy; did you mean "
+        r"prefetch_layers \(an option of format='layered'\)\?$",
     ):
         weightstream.load_weights(tmp_path / "absent", prefetch_layer=2)
 
@@ -175,3 +182,28 @@ def test_every_option_says_its_default():
 def test_a_registered_loaders_options_join_the_table(scaled_loader):
     assert ("factor", "scaled-test", "What every tensor is multiplied by. Default 1.") in option_rows()
     assert field_docs(ScaleOptions) == {"factor": "What every tensor is multiplied by. Default 1."}
+
+
+def test_options_are_checked_against_the_chosen_loader_only(checkpoint):
+    """Only the loader asked for (or those ``auto`` picks from) is imported to check options: a broken or slow
+    third-party loader costs nothing to a load that does not use it."""
+    script = (
+        "import sys, weightstream\n"
+        "name, value = sys.argv[3].split('=')\n"
+        "weightstream.load_weights(sys.argv[1], format=sys.argv[2], **{name: int(value)})\n"
+        "print(sorted(name for name in sys.modules if name.startswith('weightstream.loaders.')))\n"
+    )
+    found = {}
+    for format, option in (("layered", "prefetch_layers=2"), ("auto", "threads=2")):
+        result = subprocess.run(
+            [sys.executable, "-c", script, str(checkpoint), format, option],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        found[format] = result.stdout.strip()
+    assert found == {
+        "layered": "['weightstream.loaders.base', 'weightstream.loaders.layered']",
+        "auto": "['weightstream.loaders.base', 'weightstream.loaders.safetensors', 'weightstream.loaders.streaming']",
+    }

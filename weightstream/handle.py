@@ -27,11 +27,9 @@ from weightstream.loaders.base import Loader
 from weightstream.options import LoadOptions, changed_fields
 from weightstream.planning.plan import LoadPlan, TensorSpec
 from weightstream.planning.slices import plan_slice
-from weightstream.registry import bind_options, get_loader, split_options
+from weightstream.registry import AUTO, bind_options, check_options, get_loader
 from weightstream.sources import REMOTE_SCHEMES, Store, locate
 from weightstream.sources.base import SharedMemory
-
-AUTO = "auto"
 
 LOCAL_RUN_COST_BYTES = 64 << 10
 """A slice reads up to this many unwanted bytes of a local file to save one positional read."""
@@ -90,13 +88,13 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
         ...     rows = checkpoint.get_slice("lm_head.weight")[:1024]
     """
     started = time.perf_counter()
-    opts, own = split_options(options)
     if isinstance(uri, os.PathLike):
         uri = os.fspath(uri)
     if not isinstance(uri, str):
         raise OptionError(f"uri must be a path or a URI string, got {type(uri).__name__}")
     if not isinstance(format, str):
         raise OptionError(f"format must be a string, got {type(format).__name__}")
+    opts, own = check_options(format, options)
     chosen = None if format == AUTO else _checked_loader(format, opts, own)
     store, location = locate(uri, opts.storage_options, opts.retry_policy())
     try:

@@ -9,6 +9,7 @@ imported only when asked for. The registry is read-only to the world
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.metadata
 import types
@@ -137,27 +138,58 @@ def options_class(loader: object) -> type | None:
     return options if isinstance(options, type) else None
 
 
-def split_options(options: Mapping[str, object]) -> tuple[LoadOptions, dict[str, object]]:
-    """The core options of ``options``, checked, and the rest (options of some loader), before any I/O.
+AUTO = "auto"
+AUTO_CHOICES = ("safetensors", "streaming")
+"""The formats ``format="auto"`` picks from (local files and the node cache: safetensors; objects: streaming)."""
+
+
+def check_options(format: str, options: Mapping[str, object]) -> tuple[LoadOptions, dict[str, object]]:
+    """The core options of ``options``, checked, and the rest, each checked to be an option of ``format``'s loader
+    (for ``"auto"``: of a loader it may pick), before any I/O. Only those loaders are imported (an unknown name
+    imports the others, to say whose option it is).
 
     Raises:
         OptionError: a name that is neither a core option nor an option of any registered loader.
-        InvalidOptionError: a core option's value is invalid.
+        InvalidOptionError: an option of another loader, or a core option's invalid value.
 
     Example:
-        >>> core, rest = split_options({"threads": 4, "prefetch_layers": 2})
+        >>> core, rest = check_options("layered", {"threads": 4, "prefetch_layers": 2})
         >>> core.threads, rest
         (4, {'prefetch_layers': 2})
     """
     core_names = set(core_option_names())
-    rest = {name: value for name, value in options.items() if name not in core_names}
-    loaders_own = set(all_loader_option_names()) if rest else set()
-    unknown = [name for name in rest if name not in loaders_own]
-    if unknown:
-        known = sorted(core_names | loaders_own)
-        raise OptionError(f"unknown option(s) {unknown[0]}; known options: {', '.join(known)}")
+    own = {name: value for name, value in options.items() if name not in core_names}
     core = LoadOptions.from_kwargs(**{name: value for name, value in options.items() if name in core_names})
-    return core, rest
+    formats = AUTO_CHOICES if format == AUTO else (format,)
+    accepted = {name for candidate in formats for name in _own_option_names(loader_class(candidate))}
+    for name in own:
+        if name in accepted:
+            continue
+        owner = owner_of_option(name)
+        if owner is not None:
+            user = f"the {format} loader" if format != AUTO else f"format='auto' ({' or '.join(AUTO_CHOICES)})"
+            raise InvalidOptionError(f"{name}: an option of format={owner!r}; {user} does not use it")
+        raise OptionError(
+            f"unknown option(s) {', '.join(sorted(set(own) - accepted))}; known options: "
+            f"{', '.join(sorted(core_names | accepted))}{_did_you_mean(name)}"
+        )
+    return core, own
+
+
+def _did_you_mean(name: str) -> str:
+    """A hint naming the option of any registered loader closest to the mistyped ``name``, if one is close."""
+    close = difflib.get_close_matches(name, [*core_option_names(), *all_loader_option_names()], n=1)
+    if not close:
+        return ""
+    owner = owner_of_option(close[0])
+    return f"; did you mean {close[0]}" + (f" (an option of format={owner!r})" if owner else "") + "?"
+
+
+def _own_option_names(loader: type) -> tuple[str, ...]:
+    declared = options_class(loader)
+    if declared is None or not dataclasses.is_dataclass(declared):
+        return ()
+    return tuple(field.name for field in dataclasses.fields(declared))
 
 
 def bind_options(loader: Loader, opts: LoadOptions, own: Mapping[str, object]) -> LoadOptions:
@@ -209,11 +241,11 @@ def _options_by_format() -> dict[str, tuple[str, ...]]:
     found = {}
     for format in sorted(_registry, key=lambda name: (name not in BUILTIN_LOADERS, name)):
         try:
-            declared = options_class(loader_class(format))
+            names = _own_option_names(loader_class(format))
         except LoaderRegistrationError:
             continue  # a broken third-party entry is reported when it is asked for, not here
-        if declared is not None and dataclasses.is_dataclass(declared):
-            found[format] = tuple(field.name for field in dataclasses.fields(declared))
+        if names:
+            found[format] = names
     return found
 
 

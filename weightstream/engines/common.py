@@ -16,7 +16,7 @@ import weightstream
 from weightstream.errors import EngineUnavailableError, InvalidOptionError, WeightsMismatchError, logger
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
 from weightstream.planning.discover import find_files
-from weightstream.registry import available_loaders, split_options
+from weightstream.registry import AUTO, available_loaders, check_options
 from weightstream.sources.hub.ids import HUB_SCHEME, hub_uri, looks_like_repo_id
 from weightstream.sources.hub.store import pin
 from weightstream.sources.local.file import LocalStore
@@ -79,7 +79,7 @@ def loader_options(extra: Mapping[str, Any] | None, load_format: str) -> tuple[s
             f"{load_format}: {', '.join(owned)} in the extra loader config: the engine decides these"
         )
     options = engine_cache(options, load_format)
-    split_options(options)
+    check_options(AUTO if load_format == "weightstream" else load_format.removeprefix("weightstream-"), options)
     return uri, options
 
 
