@@ -11,10 +11,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 
 import weightstream
 from tests.conftest import save_hf_sharded
-from weightstream import handle, registry
+from weightstream import registry
+from weightstream.checkpoint import opening, slices
 from weightstream.planning.plan import LoadPlan
 from weightstream.save.write import write_safetensors
 from weightstream.sources.local.file import LocalStore
@@ -61,7 +63,7 @@ class CountingStore(LocalStore):
 @pytest.fixture
 def counting(monkeypatch):
     CountingStore.made = []
-    monkeypatch.setattr(handle, "locate", lambda uri, *args: (CountingStore(), uri))
+    monkeypatch.setattr(opening, "locate", lambda uri, *args: (CountingStore(), uri))
     return CountingStore.made
 
 
@@ -319,7 +321,7 @@ def test_any_slice_equals_torch_indexing(sliced_file: Path, monkeypatch, case, r
     """Whatever level the reads are planned at, the result (or the IndexError) is the one torch gives,
     and never more bytes are read than the whole tensor."""
     name, index = case
-    monkeypatch.setattr(handle, "LOCAL_RUN_COST_BYTES", run_cost)
+    monkeypatch.setattr(slices, "LOCAL_RUN_COST_BYTES", run_cost)
     try:
         expected = SLICED[name][index]
     except IndexError:  # an index torch refuses (with '...', the parts fall on other dimensions): refused here too
@@ -331,3 +333,23 @@ def test_any_slice_equals_torch_indexing(sliced_file: Path, monkeypatch, case, r
         assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
         assert got.is_contiguous() and got.untyped_storage().nbytes() == got.nbytes
         assert checkpoint.stats.read_bytes <= max(SLICED[name].nbytes, SLICED[name].element_size())
+
+
+@pytest.mark.parametrize(
+    ("format", "options"),
+    [
+        ("safetensors", {}),
+        ("streaming", {"max_inflight_bytes": 1 << 20, "chunk_bytes": 1 << 16}),
+        ("layered", {"layer_hook": lambda key, tensors: {name: tensor * 0 for name, tensor in tensors.items()}}),
+    ],
+)
+def test_a_slice_reads_through_the_checkpoints_loader(tmp_path: Path, format, options, no_leaks):
+    """Pieces of a slice go through the loader the checkpoint was opened with (a layered checkpoint's hook, which
+    transforms whole layers, is not applied to them), counted once in the stats."""
+    tensors = {f"model.layers.{n}.w": torch.randn(64, 32, generator=torch.Generator().manual_seed(n)) for n in range(3)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with weightstream.open(tmp_path / "model.safetensors", format, **options) as checkpoint:
+        part = checkpoint.get_slice("model.layers.1.w")[3:9, 5:7]
+        assert checkpoint.format == format
+        assert torch.equal(part, tensors["model.layers.1.w"][3:9, 5:7])
+        assert (checkpoint.stats.tensors, checkpoint.stats.tensor_bytes) == (1, 6 * 2 * 4)

@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 import weightstream
 from tests.conftest import assert_same
 from tests.sharded_saver import state as saver_state
-from weightstream import handle
 from weightstream.bench.demo import LlamaShape, llama_state_dict
+from weightstream.checkpoint import opening
 from weightstream.sources.local.file import LocalStore
 
 SHAPE = LlamaShape(hidden=128, intermediate=352, layers=3, vocab=500)
@@ -126,7 +126,7 @@ def test_a_rank_reads_no_byte_of_another_ranks_files(tmp_path: Path, monkeypatch
             source.read_into, source.read = counted_read_into, counted_read
             return source
 
-    monkeypatch.setattr(handle, "locate", lambda uri, *args: (CountingStore(), uri))
+    monkeypatch.setattr(opening, "locate", lambda uri, *args: (CountingStore(), uri))
     weightstream.load_weights(tmp_path, format="sharded-state", rank=1, world_size=3, verify=True)
     own = {p.name for p in tmp_path.glob("model-rank-1-part-*.safetensors")} | {"weightstream-manifest-rank-1.json"}
     assert set(reads) == own, f"read files of other ranks: {sorted(set(reads) - own)}"

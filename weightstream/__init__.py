@@ -7,7 +7,10 @@ Example:
 
 import importlib
 
-from weightstream.api import iter_layers, iter_weights, load_weights
+from weightstream.checkpoint.calls import iter_layers, iter_weights, load_weights
+from weightstream.checkpoint.handle import Checkpoint, CheckpointStats
+from weightstream.checkpoint.opening import open, resolve_format
+from weightstream.checkpoint.slices import TensorSlice
 from weightstream.errors import (
     AccessDeniedError,
     BenchmarkError,
@@ -40,7 +43,6 @@ from weightstream.errors import (
     WeightsMismatchError,
     WeightstreamError,
 )
-from weightstream.handle import Checkpoint, CheckpointStats, TensorSlice, open, resolve_format
 from weightstream.options import LoadOptions
 from weightstream.registry import available_loaders, register_loader
 

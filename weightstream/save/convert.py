@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from weightstream.api import load_weights
+from weightstream.checkpoint.calls import load_weights
 from weightstream.errors import InvalidOptionError
 from weightstream.save import engine_naming
 from weightstream.save.saver import DEFAULT_MAX_FILE_BYTES, save_sharded_state

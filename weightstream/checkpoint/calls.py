@@ -1,15 +1,18 @@
 """The one-call entry points: ``load_weights``, ``iter_weights`` and ``iter_layers``, each a
-:func:`weightstream.open` of the checkpoint that lives as long as the call (or the iterator)."""
+:func:`weightstream.open` of the checkpoint that lives as long as the call (or the iterator), through the
+checkpoint's public methods."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
-from weightstream.handle import AUTO, Checkpoint, open
+from weightstream.checkpoint.handle import Checkpoint
+from weightstream.checkpoint.opening import open
+from weightstream.registry import AUTO
 
 Item = TypeVar("Item")
 
@@ -39,7 +42,7 @@ def iter_weights(
         ...     print(name, tuple(tensor.shape))
     """
     checkpoint = open(uri, format, **options)
-    return _owned(checkpoint, lambda: checkpoint._iter_weights(owned=True))
+    return ClosingReads(checkpoint, lambda: checkpoint.iter_weights())
 
 
 def iter_layers(uri: str | os.PathLike[str], **options: object) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
@@ -66,7 +69,7 @@ def iter_layers(uri: str | os.PathLike[str], **options: object) -> Iterator[tupl
         ...     model.get_submodule(key).load_state_dict(strip_prefix(tensors, key))  # copies out of the buffer
     """
     checkpoint = open(uri, "layered", **options)
-    return _owned(checkpoint, lambda: checkpoint._iter_layers(owned=True))
+    return ClosingReads(checkpoint, lambda: checkpoint.iter_layers())
 
 
 def load_weights(
@@ -88,10 +91,28 @@ def load_weights(
         return checkpoint.load()
 
 
-def _owned(checkpoint: Checkpoint, start: Callable[[], Item]) -> Item:
-    """``start()``, the iterator that closes ``checkpoint`` when it ends; ``checkpoint`` closed if it cannot start."""
-    try:
-        return start()
-    except BaseException:
-        checkpoint.close()
-        raise
+class ClosingReads(Generic[Item]):
+    """An iterator of a checkpoint opened for it alone: the checkpoint closes when the iterator ends, fails or is
+    closed (or cannot start)."""
+
+    def __init__(self, checkpoint: Checkpoint, start: Callable[[], Iterator[Item]]) -> None:
+        self._checkpoint = checkpoint
+        try:
+            self._reads = start()
+        except BaseException:
+            checkpoint.close()
+            raise
+
+    def __iter__(self) -> ClosingReads[Item]:
+        return self
+
+    def __next__(self) -> Item:
+        try:
+            return next(self._reads)
+        except BaseException:
+            self._checkpoint.close()
+            raise
+
+    def close(self) -> None:
+        """Stop reading and close the checkpoint (as a generator's ``close()``)."""
+        self._checkpoint.close()

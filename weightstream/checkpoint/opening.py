@@ -1,0 +1,104 @@
+"""Opening a checkpoint: options checked against the loader, the format resolved, the store (and the node cache in
+front of it) opened, the headers read into a plan. What it returns, :class:`~weightstream.checkpoint.handle.Checkpoint`,
+reads through that store and plan until it is closed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+
+import torch
+
+from weightstream.checkpoint.handle import Checkpoint
+from weightstream.errors import OptionError
+from weightstream.loaders.base import Loader
+from weightstream.options import LoadOptions
+from weightstream.registry import AUTO, bind_options, check_options, get_loader
+from weightstream.sources import REMOTE_SCHEMES, Store, locate
+from weightstream.sources.base import SharedMemory
+
+
+def resolve_format(uri: str) -> str:
+    """The format ``format="auto"`` picks for ``uri``.
+
+    Object-store URIs (``s3://``, ``gs://``, ``http(s)://``) resolve to ``"streaming"``
+    (bounded memory, completion order), local paths to ``"safetensors"``. Either reads one
+    ``.safetensors`` file, a directory (or prefix) with ``model.safetensors.index.json``, or
+    one of ``*.safetensors`` files. (Pickle files are refused by the loader.) An ``hf://`` model id
+    is resolved first: the Hugging Face cache's snapshot is local, the Hub is remote.
+
+    Example:
+        >>> resolve_format("model.safetensors"), resolve_format("s3://bucket/llama/")
+        ('safetensors', 'streaming')
+    """
+    return "streaming" if uri.startswith(REMOTE_SCHEMES) else "safetensors"
+
+
+def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> Checkpoint:
+    """Open the checkpoint at ``uri``: options checked, loader picked, headers read, no tensor data yet.
+
+    Use it as a context manager (or call ``close()``): the checkpoint holds its store (and, for an
+    object store, its connections) until then. Garbage collection closes it too.
+
+    Raises:
+        OptionError: an unknown option, before any I/O.
+        WeightstreamError: any other failure, typed (see ``weightstream.errors``).
+
+    Example:
+        >>> with weightstream.open("model/") as checkpoint:  # doctest: +SKIP
+        ...     embed = checkpoint.get_tensor("model.embed_tokens.weight")
+        ...     rows = checkpoint.get_slice("lm_head.weight")[:1024]
+    """
+    started = time.perf_counter()
+    if isinstance(uri, os.PathLike):
+        uri = os.fspath(uri)
+    if not isinstance(uri, str):
+        raise OptionError(f"uri must be a path or a URI string, got {type(uri).__name__}")
+    if not isinstance(format, str):
+        raise OptionError(f"format must be a string, got {type(format).__name__}")
+    opts, own = check_options(format, options)
+    chosen = None if format == AUTO else _checked_loader(format, opts, own)
+    store, location = locate(uri, opts.storage_options, opts.retry_policy())
+    try:
+        if opts.cache is not None:
+            store = _through_cache(store, opts)
+        # Through the node cache a remote checkpoint's bytes are local shared memory: the views of the
+        # safetensors loader beat streaming copies of them.
+        automatic = "safetensors" if isinstance(store, SharedMemory) else resolve_format(location)
+        loader, opts = chosen or _checked_loader(automatic, opts, own)
+        plan = loader.plan(store, location, opts)
+    except BaseException:
+        store.close()
+        raise
+    return Checkpoint(loader, store, plan, opts, time.perf_counter() - started)
+
+
+def _through_cache(store: Store, opts: LoadOptions) -> Store:
+    """``store`` read through the node cache ``opts.cache`` names (``store`` itself for ``"auto"`` without a daemon)."""
+    from weightstream.nodecache.client import CachedStore, connect
+
+    client = connect(str(opts.cache))
+    if client is None:
+        return store
+    copy_sources = None
+    if torch.device(opts.device).type == "cuda":
+        from weightstream.memory.devices import check_destination
+        from weightstream.nodecache.gpu_import import SegmentCopies
+
+        try:
+            check_destination(opts.device, opts.pin_memory)
+            copy_sources = SegmentCopies(torch.device(opts.device))
+        except BaseException:
+            client.close()
+            raise
+    return CachedStore(store, client, opts.storage_options, copy_sources)
+
+
+def _checked_loader(format: str, opts: LoadOptions, own: Mapping[str, object]) -> tuple[Loader, LoadOptions]:
+    """The loader of ``format`` and the options with its own bound, once it accepts them all."""
+    loader = get_loader(format)
+    opts = bind_options(loader, opts, own)
+    loader.check(opts)
+    return loader, opts
