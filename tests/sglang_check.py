@@ -78,12 +78,13 @@ def parse_cli(arguments: list[str]) -> dict:
         load_format=server_args.load_format, model_loader_extra_config=server_args.model_loader_extra_config
     )
     loader = get_model_loader(load_config)
+    settings = getattr(loader, "settings", None)  # SGLang's own loaders have none
     return {
         "load_format": str(server_args.load_format),
         "loader": type(loader).__name__,
         "loader_module": type(loader).__module__,
-        "options": getattr(loader, "options", None),
-        "uri": getattr(loader, "uri", None),
+        "options": settings and settings.options,
+        "uri": settings and settings.uri,
     }
 
 

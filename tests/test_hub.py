@@ -158,6 +158,19 @@ def test_a_cached_checkpoint_is_read_from_the_cache_and_the_hub_is_never_asked(h
     assert_same(dict(weightstream.iter_weights("hf://org/tiny", format="streaming")), state)
 
 
+def test_resolve_model_names_the_snapshot_of_an_id_and_leaves_paths_as_they_are(hub_environment, sharded, tmp_path):
+    directory, _ = sharded
+    commit = cache_model(hub_environment, "org/tiny", directory)
+    snapshot = str(hub_environment / "models--org--tiny" / "snapshots" / commit)
+    assert weightstream.resolve_model("org/tiny") == snapshot
+    assert weightstream.resolve_model("hf://org/tiny") == snapshot
+    assert weightstream.resolve_model("org/tiny", "main", {"cache_dir": str(hub_environment)}) == snapshot
+    assert weightstream.resolve_model(str(directory)) == str(directory)
+    assert weightstream.resolve_model("s3://bucket/org/tiny") == "s3://bucket/org/tiny"
+    with pytest.raises(weightstream.UnsupportedInputError, match=r"'\.\./x' is not a revision"):
+        weightstream.resolve_model("org/tiny", "../x")
+
+
 def test_revisions_and_paths_inside_the_repository(hub_environment, sharded, tmp_path: Path):
     directory, state = sharded
     cache_model(hub_environment, "org/tiny", directory)

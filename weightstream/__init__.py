@@ -50,6 +50,8 @@ __version__ = "0.1.0"
 
 _IMPORTED_ON_USE = {
     "DistributedStats": "weightstream.readers.distributed",
+    "page_cache_residency": "weightstream.checkpoint.models",
+    "resolve_model": "weightstream.checkpoint.models",
     "save_sharded_state": "weightstream.save.saver",
 }
 """Names whose modules ``import weightstream`` leaves for their first use (they cost a third of its import time)."""
@@ -108,7 +110,9 @@ __all__ = [
     "iter_weights",
     "load_weights",
     "open",
+    "page_cache_residency",
     "register_loader",
     "resolve_format",
+    "resolve_model",
     "save_sharded_state",
 ]

@@ -15,12 +15,7 @@ import torch
 import weightstream
 from weightstream.errors import EngineUnavailableError, InvalidOptionError, WeightsMismatchError, logger
 from weightstream.formats.sharded_state import DEFAULT_PATTERN, PP_PATTERN, Rank
-from weightstream.planning.discover import find_files
 from weightstream.registry import AUTO, available_loaders, check_options
-from weightstream.sources.hub.ids import HUB_SCHEME, hub_uri, looks_like_repo_id
-from weightstream.sources.hub.store import pin
-from weightstream.sources.local.file import LocalStore
-from weightstream.sources.local.pagecache import resident_fraction
 
 log = logger(__name__)
 
@@ -94,7 +89,7 @@ def engine_cache(options: dict[str, Any], load_format: str) -> dict[str, Any]:
         {'threads': 4}
     """
     from weightstream.errors import CacheUnavailableError
-    from weightstream.nodecache.client import ENVIRONMENT, CacheClient, resolve_socket
+    from weightstream.nodecache.client import ENVIRONMENT, find_daemon
 
     options = dict(options)
     required = options.pop("cache_required", False)
@@ -109,9 +104,8 @@ def engine_cache(options: dict[str, Any], load_format: str) -> dict[str, Any]:
         return options
     if not isinstance(cache, str):
         return options  # the options' own check names the type
-    path, _ = resolve_socket(cache)
     try:
-        CacheClient(path).close()
+        path = find_daemon(cache)
     except CacheUnavailableError as error:
         if required:
             raise
@@ -140,15 +134,9 @@ def model_weights(
         >>> model_weights("Qwen/Qwen3-0.6B", None, None, {})  # doctest: +SKIP
         ('/root/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/c1899de2...', {})
     """
-    if model.startswith(HUB_SCHEME):
-        uri = model
-    elif "://" in model or os.path.exists(model) or not looks_like_repo_id(model):
-        return model, options
-    else:
-        uri = hub_uri(model, revision)
     if download_dir is not None and "storage_options" not in options:
         options = {**options, "storage_options": {"cache_dir": download_dir}}
-    return pin(uri, options.get("storage_options")), options
+    return weightstream.resolve_model(model, revision, options.get("storage_options")), options
 
 
 def check_filled(parameters: Collection[str], filled: Collection[str], uri: str) -> None:
@@ -202,8 +190,7 @@ def checkpoint_reading(
     ):
         return weightstream_format, options
     if weightstream_format == "auto":
-        sizes = {path: os.path.getsize(path) for path in find_files(LocalStore(), uri).files}
-        resident = sum(resident_fraction(path) * size for path, size in sizes.items()) / max(1, sum(sizes.values()))
+        resident = weightstream.page_cache_residency(uri)
         if resident < RESIDENT_FOR_MAPPING:
             log.info(
                 "%s: %.0f%% in the page cache: reading it layer by layer while the engine copies", uri, 100 * resident

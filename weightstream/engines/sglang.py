@@ -29,20 +29,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from typing import Any
 
 import torch
 
 import weightstream
+from weightstream.engines.adapter import LoaderSettings, named_for, timed_load
 from weightstream.engines.common import (
     check_filled,
     checkpoint_reading,
     engine_formats,
     import_engine,
     load_sharded_state_into,
-    loader_options,
-    model_weights,
     sharded_rank,
     weight_batches,
     with_world_group,
@@ -109,40 +107,30 @@ def _loader_class(load_format: str, weightstream_format: str) -> type:
 
         def __init__(self, load_config: Any) -> None:
             super().__init__(load_config)
-            self.uri, self.options = loader_options(load_config.model_loader_extra_config, load_format)
+            self.settings = LoaderSettings(load_config.model_loader_extra_config, load_format)
 
         def download_model(self, model_config: Any) -> None:
             """Nothing is downloaded (the weights are read where they are); a Hugging Face id is resolved now
             (the cache, or the Hub's commit its revision names), and every later load reads what it resolved to."""
-            self.located = self._locate(model_config)
+            self._located(model_config)
 
         def load_model(self, *, model_config: Any, device_config: Any) -> torch.nn.Module:
-            uri, options = getattr(self, "located", None) or self._locate(model_config)
-            started = time.perf_counter()
-            if weightstream_format == "sharded-state":
-                model = _load_sharded_state(self.load_config, model_config, device_config, uri, options)
-            elif weightstream_format == "layered":
-                model = _load_layered(self.load_config, model_config, device_config, uri, options)
-            else:
-                model = _load_checkpoint(
-                    self.load_config, model_config, device_config, uri, weightstream_format, options
-                )
-            log.info(
-                "Loading weights took %.2f seconds (weightstream, format %s)",
-                time.perf_counter() - started,
-                weightstream_format,
-            )
+            uri, options = self._located(model_config)
+            with timed_load(log.info, weightstream_format):
+                if weightstream_format == "sharded-state":
+                    model = _load_sharded_state(self.load_config, model_config, device_config, uri, options)
+                elif weightstream_format == "layered":
+                    model = _load_layered(self.load_config, model_config, device_config, uri, options)
+                else:
+                    model = _load_checkpoint(
+                        self.load_config, model_config, device_config, uri, weightstream_format, options
+                    )
             return model.eval()
 
-        def _locate(self, model_config: Any) -> tuple[str, dict[str, Any]]:
-            return model_weights(
-                self.uri or model_config.model_path, model_config.revision, self.load_config.download_dir, self.options
-            )
+        def _located(self, model_config: Any) -> tuple[str, dict[str, Any]]:
+            return self.settings.located(model_config.model_path, model_config.revision, self.load_config.download_dir)
 
-    WeightstreamModelLoader.__name__ = WeightstreamModelLoader.__qualname__ = (
-        "WeightstreamModelLoader_" + load_format.replace("-", "_")
-    )
-    return WeightstreamModelLoader
+    return named_for(WeightstreamModelLoader, load_format)
 
 
 def _build(load_config: Any, model_config: Any, device: torch.device, *, on_meta: bool = False) -> torch.nn.Module:

@@ -21,13 +21,13 @@ otherwise, naming them.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 import weightstream
+from weightstream.engines.adapter import LoaderSettings, named_for, timed_load
 from weightstream.engines.common import (
     check_filled,
     checkpoint_reading,
@@ -35,8 +35,6 @@ from weightstream.engines.common import (
     engine_formats,
     import_engine,
     load_sharded_state_into,
-    loader_options,
-    model_weights,
     sharded_rank,
     weight_batches,
     with_world_group,
@@ -83,37 +81,27 @@ def _loader_class(base: type, load_format: str, weightstream_format: str) -> typ
             super().__init__(load_config)
             extra = dict(load_config.model_loader_extra_config or {})
             self.save_to = extra.pop("save_sharded_state", None)
-            self.uri, self.options = loader_options(extra, load_format)
+            self.settings = LoaderSettings(extra, load_format)
 
         def download_model(self, model_config: Any) -> None:
             """Nothing is downloaded (the weights are read where they are); a Hugging Face id is resolved now
             (the cache, or the Hub's commit its revision names), and every later load reads what it resolved to."""
-            self.located = self._locate(model_config)
+            self._located(model_config)
 
         def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
-            uri, options = getattr(self, "located", None) or self._locate(model_config)
-            started = time.perf_counter()
-            if weightstream_format == "sharded-state":
-                _load_sharded_state(model, uri, options)
-            else:
-                _load_checkpoint(model, model_config, uri, weightstream_format, options)
-            _logger().info(
-                "Loading weights took %.2f seconds (weightstream, format %s)",
-                time.perf_counter() - started,
-                weightstream_format,
-            )
+            uri, options = self._located(model_config)
+            with timed_load(_logger().info, weightstream_format):
+                if weightstream_format == "sharded-state":
+                    _load_sharded_state(model, uri, options)
+                else:
+                    _load_checkpoint(model, model_config, uri, weightstream_format, options)
             if self.save_to is not None:
                 _save_model_state(model, os.fspath(self.save_to), DEFAULT_MAX_FILE_BYTES)
 
-        def _locate(self, model_config: Any) -> tuple[str, dict[str, Any]]:
-            return model_weights(
-                self.uri or model_config.model, model_config.revision, self.load_config.download_dir, self.options
-            )
+        def _located(self, model_config: Any) -> tuple[str, dict[str, Any]]:
+            return self.settings.located(model_config.model, model_config.revision, self.load_config.download_dir)
 
-    WeightstreamModelLoader.__name__ = WeightstreamModelLoader.__qualname__ = (
-        "WeightstreamModelLoader_" + load_format.replace("-", "_")
-    )
-    return WeightstreamModelLoader
+    return named_for(WeightstreamModelLoader, load_format)
 
 
 def _load_checkpoint(

@@ -437,6 +437,25 @@ class SegmentSource:
             raise TruncatedFileError(f"{self.uri}: bytes {offset}..{offset + nbytes} asked of a {self.size}-byte file")
 
 
+def find_daemon(cache: str) -> str:
+    """The socket of the daemon ``cache`` names (``"auto"``: ``$WEIGHTSTREAM_CACHE`` or the default), once one
+    answers there.
+
+    Raises:
+        CacheUnavailableError: no daemon answers there.
+        CacheRefusedError: another user listens there.
+
+    Example:
+        >>> find_daemon("/nonexistent/cache.sock")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        weightstream.errors.CacheUnavailableError: no weightstream cache daemon at /nonexistent/cache.sock: no such ...
+    """
+    path, _ = resolve_socket(cache)
+    CacheClient(path).close()
+    return path
+
+
 def connect(cache: str) -> CacheClient | None:
     """A client of the daemon ``cache`` names, or None for ``"auto"`` when no daemon listens (logged once).
 
