@@ -103,7 +103,7 @@ def running_daemon(prefix: str, *extra: str) -> Iterator[Daemon]:
 def request(socket_path: Path, message: dict) -> dict:
     """The daemon's answer to ``message`` (any descriptor it carries closed); a local file an ``attach`` or ``device``
     names goes as a descriptor, as the client sends it."""
-    from weightstream.nodecache.client import CacheClient
+    from weightstream.nodecache.connection import CacheClient
 
     client = CacheClient(str(socket_path))
     try:

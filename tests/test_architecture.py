@@ -48,11 +48,11 @@ ENGINES_MAY_IMPORT = (
     "weightstream.registry",
     "weightstream.formats",
     "weightstream.save",
-    "weightstream.nodecache.client",
+    "weightstream.nodecache.connection",
     "weightstream.engines",
 )
 """The public API (besides ``weightstream`` itself, the package's names): its errors, options and registry, the
-file formats, saving, the cache's client, and the engines' own modules."""
+file formats, saving, the cache's connection (finding its daemon), and the engines' own modules."""
 
 
 def module_name(path: Path) -> str:

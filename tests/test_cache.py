@@ -326,7 +326,7 @@ def test_referenced_entries_are_kept_by_evict(tmp_path, daemon, no_leaks):
 def test_auto_without_a_daemon_reads_the_source_and_an_explicit_socket_raises(tmp_path, monkeypatch, caplog, no_leaks):
     save_file(state(), str(tmp_path / "model.safetensors"))
     monkeypatch.setenv("WEIGHTSTREAM_CACHE", str(tmp_path / "nobody.sock"))
-    with caplog.at_level("DEBUG", logger="weightstream.nodecache.client"):
+    with caplog.at_level("DEBUG", logger="weightstream.nodecache.connection"):
         assert_same(weightstream.load_weights(tmp_path / "model.safetensors", cache="auto"), state())
     assert [(record.levelname, record.getMessage()) for record in caplog.records] == [
         (
@@ -339,7 +339,7 @@ def test_auto_without_a_daemon_reads_the_source_and_an_explicit_socket_raises(tm
     stale = socket.socket(socket.AF_UNIX)  # a socket file nobody listens on: a daemon that died
     stale.bind(str(tmp_path / "stale.sock"))
     monkeypatch.setenv("WEIGHTSTREAM_CACHE", str(tmp_path / "stale.sock"))
-    with caplog.at_level("INFO", logger="weightstream.nodecache.client"):
+    with caplog.at_level("INFO", logger="weightstream.nodecache.connection"):
         for _ in range(2):
             assert_same(weightstream.load_weights(tmp_path / "model.safetensors", cache="auto"), state())
     stale.close()

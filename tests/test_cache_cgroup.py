@@ -113,7 +113,7 @@ def test_a_fill_the_daemons_cgroup_cannot_hold_is_refused_before_any_read_and_th
 
 
 def request_attach(socket_path: str, path: Path) -> None:
-    from weightstream.nodecache.client import CacheClient
+    from weightstream.nodecache.connection import CacheClient
 
     client = CacheClient(socket_path)
     try:

@@ -21,7 +21,8 @@ from tests.conftest import assert_same, save_hf_sharded
 from weightstream.bench.demo import LlamaShape, llama_state_dict
 from weightstream.errors import CacheError, CacheProtocolError, DeviceUnavailableError
 from weightstream.memory.ring import CpuCopyEngine, CpuStaging
-from weightstream.nodecache.client import CacheClient, CachedStore
+from weightstream.nodecache.client import CachedStore
+from weightstream.nodecache.connection import CacheClient
 from weightstream.nodecache.protocol import check_request
 from weightstream.nodecache.shared_mapping import map_read_only
 from weightstream.readers.staged import read_staged

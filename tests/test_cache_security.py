@@ -123,7 +123,7 @@ def test_a_client_outside_the_group_is_refused(public, group_daemon):
 def test_a_group_member_may_not_list_evict_or_stop(public, group_daemon):
     ask = textwrap.dedent("""
         import sys
-        from weightstream.nodecache.client import CacheClient
+        from weightstream.nodecache.connection import CacheClient
         from weightstream.errors import CacheError
         for op in ({"op": "stop"}, {"op": "evict", "all": True}, {"op": "ls"}):
             try:
@@ -143,7 +143,7 @@ def test_a_group_member_may_not_list_evict_or_stop(public, group_daemon):
 
 WRITE_SEGMENT = textwrap.dedent("""
     import mmap, os, sys
-    from weightstream.nodecache.client import CacheClient
+    from weightstream.nodecache.connection import CacheClient
     answer, fds = CacheClient(sys.argv[2]).attach(sys.argv[1])
     fd = fds[0]
     for attempt, action in (
@@ -183,7 +183,7 @@ SQUATTER = textwrap.dedent("""
 
 
 def test_a_socket_squatted_by_another_user_is_refused(public, tmp_path):
-    from weightstream.nodecache.client import default_socket
+    from weightstream.nodecache.connection import default_socket
 
     save_file(state(4), str(tmp_path / "model.safetensors"))
     squat = public / "squat"
@@ -374,7 +374,7 @@ def test_a_file_uri_is_a_local_file_and_comes_as_a_descriptor_too(public, group_
     secret.chmod(0o600)
     asked = textwrap.dedent("""
         import sys
-        from weightstream.nodecache.client import CacheClient
+        from weightstream.nodecache.connection import CacheClient
         from weightstream.errors import CacheError
         try:  # a hand-made request: a file:// URI and no descriptor
             CacheClient(sys.argv[2]).request({"op": "attach", "uri": "file://" + sys.argv[1], "storage_options": {}})
@@ -393,7 +393,7 @@ def test_a_file_uri_is_a_local_file_and_comes_as_a_descriptor_too(public, group_
 
 O_PATH_ATTACH = textwrap.dedent("""
     import os, sys
-    from weightstream.nodecache.client import CacheClient
+    from weightstream.nodecache.connection import CacheClient
     from weightstream.errors import CacheError, WeightstreamError
     fd = os.open(sys.argv[1], os.O_PATH)  # needs no read permission
     message = {"op": "attach", "uri": sys.argv[1], "storage_options": {}}

@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 import weightstream
 from tests.cache_daemon import running_daemon
 from weightstream.errors import InvalidOptionError
-from weightstream.nodecache.client import CachedStore, connect
+from weightstream.nodecache.client import CachedStore
+from weightstream.nodecache.connection import connect
 from weightstream.options import LoadOptions
 from weightstream.readers.destination import ALL_ROUTES, COPYING_ROUTES, Destination, Route, choose_destination
 from weightstream.sources.base import DirectIO, Mapped, SharedMemory

@@ -89,7 +89,7 @@ def engine_cache(options: dict[str, Any], load_format: str) -> dict[str, Any]:
         {'threads': 4}
     """
     from weightstream.errors import CacheUnavailableError
-    from weightstream.nodecache.client import ENVIRONMENT, find_daemon
+    from weightstream.nodecache.connection import ENVIRONMENT, find_daemon
 
     options = dict(options)
     required = options.pop("cache_required", False)

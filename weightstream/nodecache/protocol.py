@@ -19,7 +19,14 @@ import struct
 import time
 from collections.abc import Mapping
 
-from weightstream.errors import CacheProtocolError, CacheUnavailableError, FormatError
+from weightstream.errors import (
+    CacheError,
+    CacheProtocolError,
+    CacheUnavailableError,
+    FormatError,
+    WeightstreamError,
+    redact,
+)
 from weightstream.formats.strict_json import parse_json
 
 LENGTH = struct.Struct(">I")
@@ -130,6 +137,20 @@ def check_request(message: Mapping[str, object]) -> str:
         if required not in message:
             raise CacheProtocolError(f"{op} request: {required!r} is missing")
     return op
+
+
+def error_answer(error: BaseException) -> dict[str, object]:
+    """The answer that carries ``error`` to the client: its type's name, its message, its errno, and its cause."""
+    number = getattr(error, "errno", None)
+    if not isinstance(error, WeightstreamError):
+        error = CacheError(redact(f"{type(error).__name__}: {error}"))
+    answer: dict[str, object] = {"ok": False, "error": type(error).__name__, "message": str(error)}
+    if isinstance(number, int):
+        answer["errno"] = number
+    cause = error.__cause__
+    if cause is not None:
+        answer["cause"] = redact(f"{type(cause).__name__}: {cause}")[:2000]
+    return answer
 
 
 def head_digest(data: memoryview | bytes) -> str:

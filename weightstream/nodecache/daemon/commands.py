@@ -14,9 +14,12 @@ import time
 from collections.abc import Callable
 
 from weightstream.errors import CacheConfigError, CacheError, DeviceUnavailableError, redact
-from weightstream.nodecache.client import ENVIRONMENT, CacheClient, daemon_uri, default_socket, resolve_socket
+from weightstream.nodecache.connection import ENVIRONMENT, CacheClient, daemon_uri, default_socket, resolve_socket
+from weightstream.nodecache.daemon.directory import default_directory
+from weightstream.nodecache.daemon.endpoint import socket_directory
+from weightstream.nodecache.daemon.limits import clamp_budget
 from weightstream.nodecache.daemon.references import KEY
-from weightstream.nodecache.daemon.server import default_directory, run_daemon
+from weightstream.nodecache.daemon.server import CacheDaemon
 from weightstream.nodecache.protocol import close_all
 from weightstream.progress import ProgressBar
 from weightstream.terminal import printable
@@ -268,3 +271,42 @@ def _prefetch_device(args: argparse.Namespace, gpus: object) -> None:
         )
     with weightstream.open(args.uri, args.format, filter=(), cache=_socket(args), device=args.device):
         pass
+
+
+def run_daemon(
+    directory: str,
+    socket_path: str,
+    budget: int | None,
+    *,
+    group: int | None = None,
+    status: bool = False,
+    idle_timeout_s: float = 10.0,
+    stop_timeout_s: float = 30.0,
+    huge_pages: str = "auto",
+    devices: list[str] | None = None,
+    default_socket: bool = False,
+) -> int:
+    """``weightstream cache serve``: run in the foreground until SIGTERM; 0 on a clean stop. With
+    ``default_socket``, the socket's directory (``/run/weightstream``, ``/tmp/weightstream-<uid>``) is made if
+    missing, and must be this user's.
+
+    Raises:
+        CacheConfigError, CacheInUseError: an option, the directory or the socket refused, before anything starts.
+    """
+    if default_socket:
+        socket_directory(os.path.dirname(socket_path), group)
+    if budget is not None:
+        budget = clamp_budget(budget, directory)
+    daemon = CacheDaemon(
+        directory,
+        socket_path,
+        budget,
+        group=group,
+        idle_timeout_s=idle_timeout_s,
+        stop_timeout_s=stop_timeout_s,
+        huge_pages=huge_pages,
+        devices=devices,
+    )
+    daemon.install_signal_handlers()
+    daemon.serve(on_ready=(lambda: print(json.dumps(daemon.status()), flush=True)) if status else None)
+    return 0

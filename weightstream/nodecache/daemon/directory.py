@@ -24,6 +24,16 @@ CACHE_FILE = re.compile(r"^(?:[0-9a-f]{32}\.(?:seg|json)|tmp-[0-9a-f]{32}(?:-\d+
 """The names the daemon gives its files: segments, manifests and their temporary forms."""
 
 
+def default_directory() -> str:
+    """Where segments live unless told otherwise: ``/dev/shm/weightstream-cache-<uid>`` (a tmpfs).
+
+    Example:
+        >>> default_directory().startswith("/dev/shm/weightstream-cache-")
+        True
+    """
+    return f"/dev/shm/weightstream-cache-{os.getuid()}"
+
+
 def is_cache_file(name: str) -> bool:
     """Whether ``name`` is one the daemon gives its files (only those are ever removed).
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -38,38 +37,25 @@ from weightstream.errors import (
     CacheProtocolError,
     CacheRefusedError,
     CacheUnavailableError,
-    SourceChangedError,
     WeightstreamError,
     logger,
-    redact,
 )
-from weightstream.nodecache.daemon.credentials import check_own_credentials
+from weightstream.nodecache.daemon.client_sources import open_for_client
 from weightstream.nodecache.daemon.device import DeviceTier
 from weightstream.nodecache.daemon.directory import CacheDirectory
-from weightstream.nodecache.daemon.endpoint import Peer, listen, peer_of, socket_directory, unlink_if_ours
+from weightstream.nodecache.daemon.endpoint import Peer, listen, peer_of, unlink_if_ours
 from weightstream.nodecache.daemon.entries import EntryTable
-from weightstream.nodecache.daemon.limits import clamp_budget
-from weightstream.nodecache.daemon.segments import LOCAL_FILE, Segment, SegmentStore, segment_key, unsigned
+from weightstream.nodecache.daemon.owner_requests import evict, listing
+from weightstream.nodecache.daemon.segments import Segment, SegmentStore
 from weightstream.nodecache.daemon.stores import StorePool
-from weightstream.nodecache.protocol import MAX_REQUEST_BYTES, check_request, close_all, receive, send
+from weightstream.nodecache.protocol import MAX_REQUEST_BYTES, check_request, close_all, error_answer, receive, send
 from weightstream.sources.base import Source
-from weightstream.sources.local.file import LocalFile
 
 log = logger(__name__)
 
 OWNER_OPERATIONS = frozenset({"ls", "evict", "stop"})
 """What only the daemon's own user may ask: a group member may use the cache, not list what others cached (their
 files' paths), empty it or stop it."""
-
-
-def default_directory() -> str:
-    """Where segments live unless told otherwise: ``/dev/shm/weightstream-cache-<uid>`` (a tmpfs).
-
-    Example:
-        >>> default_directory().startswith("/dev/shm/weightstream-cache-")
-        True
-    """
-    return f"/dev/shm/weightstream-cache-{os.getuid()}"
 
 
 class CacheDaemon:
@@ -223,7 +209,7 @@ class CacheDaemon:
             self._count("refused_clients")
             log.warning("refusing a client of uid %d: it holds %d connections already", peer.uid, held)
             with contextlib.suppress(OSError):
-                send(connection, _error(CacheRefusedError(f"uid {peer.uid} holds {held} connections already")))
+                send(connection, error_answer(CacheRefusedError(f"uid {peer.uid} holds {held} connections already")))
             connection.close()
             return
         thread.start()
@@ -266,13 +252,13 @@ class CacheDaemon:
             f"the cache daemon at {self.socket_path} serves {served}; this process is uid {peer.uid}"
         )
         with contextlib.suppress(OSError):
-            send(connection, _error(refusal))
+            send(connection, error_answer(refusal))
 
     def _bad_request(self, connection: socket.socket, peer: Peer, error: CacheProtocolError) -> None:
         self._count("bad_requests")
         log.warning("bad request from pid %d: %s", peer.pid, error)
         with contextlib.suppress(OSError):
-            send(connection, _error(error))
+            send(connection, error_answer(error))
 
     def _answer(
         self, connection: socket.socket, peer: Peer, op: str, request: Mapping[str, object], fds: list[int]
@@ -294,19 +280,19 @@ class CacheDaemon:
                     self.entries.room_for(int(request["bytes"]), str(request.get("uri") or "the checkpoint"))  # type: ignore[call-overload]
                     answer = {"ok": True}
                 elif op == "ls":
-                    answer = self._ls()
+                    answer = listing(self.segments)
                 elif op == "stats":
                     answer = {"ok": True, **self.status()}
                 elif op == "evict":
-                    answer = self._evict(request)
+                    answer = evict(request, self.segments, self.entries)
                 else:
                     answer = {"ok": True, "stopping": True}
                     self.stop()
             except (WeightstreamError, OSError) as error:
-                answer = _error(error)
+                answer = error_answer(error)
             except Exception as error:  # a defect of the daemon's: the client still gets an answer, typed
                 log.exception("answering %s failed", op)
-                answer = _error(error)
+                answer = error_answer(error)
             with contextlib.suppress(OSError):  # a client that left: nothing to tell
                 send(connection, answer, () if fd is None else (fd,))
 
@@ -315,7 +301,7 @@ class CacheDaemon:
         self, peer: Peer, request: Mapping[str, object], fds: list[int]
     ) -> Iterator[tuple[dict[str, object], int]]:
         """The answer to an attach and the segment's descriptor, the entry pinned while they are sent."""
-        with self._source_for(peer, request, fds) as (source, key):
+        with open_for_client(peer, request, fds, self.stores) as (source, key):
             self._count("attaches")
             with self.entries.hand_out(key, source.size, source.uri, lambda: self._fill(key, source)) as (
                 segment,
@@ -338,40 +324,6 @@ class CacheDaemon:
                     )
                 finally:
                     os.close(fd)
-
-    @contextlib.contextmanager
-    def _source_for(self, peer: Peer, request: Mapping[str, object], fds: list[int]) -> Iterator[tuple[Source, str]]:
-        """The source a request names, opened with the client's rights, and its entry's key.
-
-        A local file comes as the descriptor the client opened (the daemon never opens a path for a client); a
-        remote source is opened with the client's own credentials unless the client is the daemon's own user, and
-        then with a request to the store, which proves the client may read it before any entry is handed over.
-        """
-        uri = str(request["uri"])
-        size, version = request.get("size"), request.get("version")
-        with contextlib.ExitStack() as held:
-            if "://" not in uri or uri.startswith("file://"):
-                if len(fds) != 1:
-                    raise CacheProtocolError(
-                        f"{uri}: a local file comes to the cache daemon as a descriptor the client opened; "
-                        f"{len(fds)} came with the request"
-                    )
-                source: Source = LocalFile.from_descriptor(fds.pop(), uri, direct="auto")
-                held.callback(source.close)
-                key = segment_key(LOCAL_FILE, source.size, source.version)
-            else:
-                if fds:
-                    raise CacheProtocolError(f"{uri}: only a local file comes with a descriptor")
-                options: Mapping[str, object] = request.get("storage_options") or {}  # type: ignore[assignment]
-                if not peer.owner:
-                    check_own_credentials(uri, options)
-                store = held.enter_context(self.stores.borrow(uri, options))
-                pinned = peer.owner and isinstance(size, int) and isinstance(version, str)
-                source = store.open_pinned(uri, size, version) if pinned else store.open(uri)  # type: ignore[arg-type]
-                held.callback(source.close)
-                key = segment_key(unsigned(uri), source.size, source.version)
-            _check_planned(uri, size, version, source)
-            yield source, key
 
     @contextlib.contextmanager
     def _device(
@@ -410,29 +362,6 @@ class CacheDaemon:
         log.info("filled %s (%s, %d bytes) in %.2f s", key, segment.uri, segment.size, segment.filled_seconds)
         return segment
 
-    def _ls(self) -> dict[str, object]:
-        references = self.segments.references()
-        segments = sorted(self.segments.segments.values(), key=lambda segment: segment.last_used)
-        entries = [
-            {**segment.describe(), "references": sorted(references.get(segment.key, ()))} for segment in segments
-        ]
-        return {"ok": True, "entries": entries}
-
-    def _evict(self, request: Mapping[str, object]) -> dict[str, object]:
-        key, uri = request.get("key"), request.get("uri")
-        if key is not None:
-            keys: list[str] | None = [str(key)]
-        elif uri is not None:
-            keys = [segment.key for segment in list(self.segments.segments.values()) if _names(segment, str(uri))]
-            if not keys:
-                raise CacheError(f"no cache entry of {str(uri)[:200]}")
-        elif request.get("all") is True:
-            keys = None
-        else:
-            raise CacheProtocolError("evict: name a key or a uri, or say all")
-        evicted, kept = self.entries.evict(keys)
-        return {"ok": True, "evicted": evicted, "kept_referenced": kept}
-
     def _allowed(self, peer: Peer) -> bool:
         if peer.owner:
             return True
@@ -463,69 +392,3 @@ class CacheDaemon:
         if self.devices is not None:
             self.devices.close()
         self.directory.release()
-
-
-def _check_planned(uri: str, size: object, version: object, source: Source) -> None:
-    """Raise :class:`SourceChangedError` unless ``source`` is the version the client planned (if it planned one)."""
-    if size is not None and (source.size, source.version) != (size, version):
-        raise SourceChangedError(
-            f"{uri}: is version {source.version} ({source.size} bytes) now; {version} ({size} bytes) was planned"
-        )
-
-
-def _names(segment: Segment, uri: str) -> bool:
-    """Whether ``uri`` names ``segment``: its file, or a directory (prefix) holding it."""
-    return segment.uri == uri or segment.uri.startswith(uri.rstrip("/") + "/")
-
-
-def _error(error: BaseException) -> dict[str, object]:
-    """The answer that carries ``error`` to the client: its type's name, its message, its errno, and its cause."""
-    number = getattr(error, "errno", None)
-    if not isinstance(error, WeightstreamError):
-        error = CacheError(redact(f"{type(error).__name__}: {error}"))
-    answer: dict[str, object] = {"ok": False, "error": type(error).__name__, "message": str(error)}
-    if isinstance(number, int):
-        answer["errno"] = number
-    cause = error.__cause__
-    if cause is not None:
-        answer["cause"] = redact(f"{type(cause).__name__}: {cause}")[:2000]
-    return answer
-
-
-def run_daemon(
-    directory: str,
-    socket_path: str,
-    budget: int | None,
-    *,
-    group: int | None = None,
-    status: bool = False,
-    idle_timeout_s: float = 10.0,
-    stop_timeout_s: float = 30.0,
-    huge_pages: str = "auto",
-    devices: list[str] | None = None,
-    default_socket: bool = False,
-) -> int:
-    """``weightstream cache serve``: run in the foreground until SIGTERM; 0 on a clean stop. With
-    ``default_socket``, the socket's directory (``/run/weightstream``, ``/tmp/weightstream-<uid>``) is made if
-    missing, and must be this user's.
-
-    Raises:
-        CacheConfigError, CacheInUseError: an option, the directory or the socket refused, before anything starts.
-    """
-    if default_socket:
-        socket_directory(os.path.dirname(socket_path), group)
-    if budget is not None:
-        budget = clamp_budget(budget, directory)
-    daemon = CacheDaemon(
-        directory,
-        socket_path,
-        budget,
-        group=group,
-        idle_timeout_s=idle_timeout_s,
-        stop_timeout_s=stop_timeout_s,
-        huge_pages=huge_pages,
-        devices=devices,
-    )
-    daemon.install_signal_handlers()
-    daemon.serve(on_ready=(lambda: print(json.dumps(daemon.status()), flush=True)) if status else None)
-    return 0
