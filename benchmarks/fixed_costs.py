@@ -3,6 +3,9 @@
 - ``import``: ``import weightstream`` after ``import torch``, against ``import safetensors`` (fresh process each);
 - ``zero-copy``: a warm 512 MiB checkpoint, ``load_weights(zero_copy=True)`` against ``safetensors.torch.load_file``,
   every 4 KiB page touched, imports outside the clock (one process, rounds alternating);
+- ``first-zero-copy``: the same two calls as a fresh process's first (a process that loads one small checkpoint and
+  exits pays this), ``import weightstream`` and ``import safetensors.torch`` outside the clock on both sides, no page
+  touched (the call's own cost);
 - ``s3``: 256 MiB from a local SeaweedFS, from process start to every tensor in memory (fresh process each):
   weightstream's default loader against one plain boto3 GET per object read into memory (``boto3-get``, the
   baseline with nothing else imported) and the same GETs in a process that imports torch (``boto3-get-torch``:
@@ -32,6 +35,18 @@ from objectstore_bench import BUCKET, KEYS, start_seaweedfs, upload
 IMPORTS = {
     "weightstream": "import torch, time; t = time.perf_counter(); import weightstream; print(time.perf_counter() - t)",
     "safetensors": "import torch, time; t = time.perf_counter(); import safetensors; print(time.perf_counter() - t)",
+}
+FIRST_LOADS = {
+    "weightstream": (
+        "import sys, time, torch, weightstream\n"
+        "t = time.perf_counter(); weights = weightstream.load_weights(sys.argv[1], zero_copy=True)\n"
+        "print(time.perf_counter() - t)"
+    ),
+    "safetensors.load_file": (
+        "import sys, time, torch, safetensors.torch\n"
+        "t = time.perf_counter(); weights = safetensors.torch.load_file(sys.argv[1])\n"
+        "print(time.perf_counter() - t)"
+    ),
 }
 S3_LOADS = {
     "weightstream": "import weightstream, sys; weights = weightstream.load_weights(sys.argv[1]); assert weights",
@@ -63,8 +78,8 @@ def timed_process(code: str, *args: str, env: dict[str, str] | None = None) -> f
     return time.perf_counter() - start
 
 
-def printed_seconds(code: str) -> float:
-    return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+def printed_seconds(code: str, *args: str) -> float:
+    return float(subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, text=True).stdout)
 
 
 def zero_copy_rounds(path: str, rounds: int) -> dict[str, list[float]]:
@@ -110,8 +125,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    import compileall
+
+    import weightstream
     from weightstream.bench.demo import demo_checkpoint
 
+    # Byte-compiled as an installed package is (pip compiles it), even where PYTHONDONTWRITEBYTECODE is set.
+    compileall.compile_dir(os.path.dirname(weightstream.__file__), quiet=1)
     report: dict[str, dict] = {}
     imports: dict[str, list[float]] = {name: [] for name in IMPORTS}
     for _ in range(args.rounds):
@@ -123,6 +143,11 @@ def main() -> int:
         single = demo_checkpoint(512 << 20, shards=1, cache_dir=scratch)
         path = os.path.join(single, min(name for name in os.listdir(single) if name.endswith(".safetensors")))
         report["zero-copy"] = summary(zero_copy_rounds(path, args.rounds), "weightstream")
+        first: dict[str, list[float]] = {name: [] for name in FIRST_LOADS}
+        for round_number in range(args.rounds):
+            for name in list(FIRST_LOADS) if round_number % 2 == 0 else list(reversed(FIRST_LOADS)):
+                first[name].append(printed_seconds(FIRST_LOADS[name], path))
+        report["first-zero-copy"] = summary(first, "weightstream")
 
         local = demo_checkpoint(256 << 20, shards=2, cache_dir=os.path.join(scratch, "s3-source"))
         server, endpoint = start_seaweedfs(Path(scratch))

@@ -6,6 +6,9 @@ The rules are a function of the import graph, so a deliberate violation is shown
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -184,3 +187,68 @@ def test_a_deliberate_violation_is_caught(module, target, broken):
     if broken == "import circle":
         graph[target] = {*graph[target], module}
     assert any(broken in violation for violation in violations(graph))
+
+
+IMPORTED_BY_IMPORT_WEIGHTSTREAM = [
+    "weightstream",
+    "weightstream.checkpoint",
+    "weightstream.checkpoint.calls",
+    "weightstream.checkpoint.handle",
+    "weightstream.checkpoint.opening",
+    "weightstream.checkpoint.reads",
+    "weightstream.checkpoint.slices",
+    "weightstream.errors",
+    "weightstream.formats",
+    "weightstream.formats.index",
+    "weightstream.formats.safetensors",
+    "weightstream.formats.strict_json",
+    "weightstream.loaders",
+    "weightstream.loaders.base",
+    "weightstream.loaders.safetensors",
+    "weightstream.memory",
+    "weightstream.memory.devices",
+    "weightstream.memory.host",
+    "weightstream.memory.pinning",
+    "weightstream.options",
+    "weightstream.planning",
+    "weightstream.planning.discover",
+    "weightstream.planning.headers",
+    "weightstream.planning.plan",
+    "weightstream.planning.planner",
+    "weightstream.planning.slices",
+    "weightstream.readers",
+    "weightstream.readers.destination",
+    "weightstream.readers.files",
+    "weightstream.readers.parallel",
+    "weightstream.readers.tasks",
+    "weightstream.registry",
+    "weightstream.sources",
+    "weightstream.sources.base",
+    "weightstream.sources.local",
+    "weightstream.sources.local.file",
+    "weightstream.sources.local.identity",
+    "weightstream.sources.local.mapped",
+    "weightstream.sources.local.pagecache",
+    "weightstream.sources.local.raw_mapping",
+    "weightstream.sources.local.regular",
+    "weightstream.sources.retry",
+    "weightstream.workers",
+]
+"""What ``import weightstream`` imports of its own: the API and the path of a local (or cached) safetensors load, so
+that a fresh process's first load imports nothing (benchmarks/fixed_costs.py). A module added here is a choice."""
+
+
+def test_what_import_weightstream_imports():
+    """The list, and nothing from outside the standard library but torch's own imports (no engine, no CUDA
+    bindings, no cloud SDK, no numpy unless torch brought it)."""
+    script = (
+        "import json, sys, torch\n"
+        "before = set(sys.modules)\n"
+        "import weightstream\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    imported = json.loads(result.stdout)
+    assert [name for name in imported if name.split(".")[0] == "weightstream"] == IMPORTED_BY_IMPORT_WEIGHTSTREAM
+    foreign = {name.split(".")[0] for name in imported} - {"weightstream"} - set(sys.stdlib_module_names)
+    assert foreign <= {"typing_extensions"}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
 
 from weightstream.planning.discover import find_files
 from weightstream.sources.hub.ids import HUB_SCHEME, hub_uri, looks_like_repo_id
@@ -14,7 +13,7 @@ from weightstream.sources.local.file import LocalStore
 from weightstream.sources.local.pagecache import resident_fraction
 
 
-def resolve_model(model: str, revision: str | None = None, storage_options: Mapping[str, Any] | None = None) -> str:
+def resolve_model(model: str, revision: str | None = None, storage_options: Mapping[str, object] | None = None) -> str:
     """The location loads of ``model`` should read: a local path or URI as it is; a Hugging Face id (``org/name``,
     or ``hf://...``) resolved once, as the engines resolve it (the Hugging Face cache first, ``HF_HUB_OFFLINE``
     honoured; ``storage_options`` as for ``hf://`` URIs, e.g. ``cache_dir``), to the cache's snapshot or to

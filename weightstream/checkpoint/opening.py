@@ -11,6 +11,9 @@ from collections.abc import Mapping
 
 import torch
 
+# The loader of local files and of the node cache, imported with the API rather than at a process's first load:
+# its modules cost ~5 ms once, fourteen times a warm zero-copy load of 512 MiB (benchmarks/fixed_costs.py).
+import weightstream.loaders.safetensors  # noqa: F401
 from weightstream.checkpoint.handle import Checkpoint
 from weightstream.errors import OptionError
 from weightstream.loaders.base import Loader
@@ -77,7 +80,8 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
 
 def _through_cache(store: Store, opts: LoadOptions) -> Store:
     """``store`` read through the node cache ``opts.cache`` names (``store`` itself for ``"auto"`` without a daemon)."""
-    from weightstream.nodecache.client import CachedStore, connect
+    from weightstream.nodecache.client import CachedStore
+    from weightstream.nodecache.connection import connect
 
     client = connect(str(opts.cache))
     if client is None:

@@ -165,12 +165,12 @@ def _entry(name: str, value: object, file: str) -> HeaderEntry:
         raise HeaderError(
             f"{where}: shape has {len(shape)} dimensions, more than the {MAX_DIMENSIONS} weightstream accepts"
         )
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not _non_negative_ints(shape):
         raise HeaderError(
             f"{where}: shape {_shown(shape) if isinstance(shape, list) else repr(shape)[:200]} is not a list of "
             "non-negative integers"
         )
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
+    if not (_non_negative_ints(offsets) and len(offsets) == 2):
         raise HeaderError(f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers")
     begin, end = offsets
     if begin > end:
@@ -238,5 +238,6 @@ def _shown(shape: list[int]) -> str:
     return str(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ... ({len(shape)} dimensions)]"
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _non_negative_ints(value: object) -> bool:
+    """Whether ``value`` is a list of non-negative integers (JSON's: ``int``, never ``bool``)."""
+    return isinstance(value, list) and set(map(type, value)) <= {int} and min(value, default=0) >= 0
