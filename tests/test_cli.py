@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,9 +17,15 @@ from tests.conftest import raw_file, save_hf_sharded
 from weightstream.cli import parse_size
 
 
-def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: int = 600, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, **(env_extra or {})}
     return subprocess.run(
-        [sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-m", "weightstream.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=environment,
     )
 
 
@@ -265,3 +272,48 @@ def test_inspect_escapes_terminal_control_characters(tmp_path: Path):
     assert "model.\\x1b[2J\\x1b]0;owned\\x07layers.0.w\\u202e" in text.stdout and "\\x1b[31mred" in text.stdout
     exact = cli("inspect", str(path), "--json")
     assert json.loads(exact.stdout)["tensors"][0]["name"] == hostile  # JSON output stays exact
+
+
+def test_version_and_log_levels(checkpoint: Path, tmp_path: Path):
+    from weightstream import __version__
+
+    version = cli("--version")
+    assert (version.returncode, version.stdout.strip()) == (0, f"weightstream {__version__}")
+    nobody = str(tmp_path / "nobody.sock")
+    quiet = cli("load", str(checkpoint), "--cache", "auto", "--json", env_extra={"WEIGHTSTREAM_CACHE": nobody})
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    told = cli(
+        "--log-level", "debug", "load", str(checkpoint), "--cache", "auto", env_extra={"WEIGHTSTREAM_CACHE": nobody}
+    )
+    assert told.returncode == 0
+    assert f"weightstream: DEBUG: cache='auto': no weightstream cache daemon at {nobody}: no such socket" in told.stderr
+    from_environment = cli(
+        "load",
+        str(checkpoint),
+        "--cache",
+        "auto",
+        env_extra={"WEIGHTSTREAM_CACHE": nobody, "WEIGHTSTREAM_LOG": "debug"},
+    )
+    assert "weightstream: DEBUG: cache='auto'" in from_environment.stderr
+    wrong = cli("load", str(checkpoint), env_extra={"WEIGHTSTREAM_LOG": "loud"})
+    assert (wrong.returncode, wrong.stderr.strip()) == (
+        2,
+        "weightstream: error: WEIGHTSTREAM_LOG='loud': not a log level (debug, info, warning, error)",
+    )
+
+
+def test_an_abbreviated_option_is_refused_not_guessed(checkpoint: Path):
+    result = cli("load", str(checkpoint), "--thread", "4")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --thread 4" in result.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    from weightstream import cli as command_line
+
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command_line, "_inspect", interrupted)
+    assert command_line.main(["inspect", "anything"]) == 130
+    assert capsys.readouterr().err == "weightstream: interrupted\n"

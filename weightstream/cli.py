@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import decimal
 import json
+import logging
 import os
 import re
 import sys
@@ -34,7 +35,6 @@ from weightstream.nodecache.daemon.commands import add_cache_commands
 from weightstream.progress import ProgressBar
 from weightstream.terminal import printable
 
-"""Unicode categories the human output of ``inspect`` escapes (JSON output stays exact)."""
 MAX_SIZE = 1 << 62
 SIZE_UNITS = {
     "": 1,
@@ -58,14 +58,40 @@ SIZE_UNITS = {
 }
 
 
+LOG_ENVIRONMENT = "WEIGHTSTREAM_LOG"
+"""The log level of the command (``debug``, ``info``, ``warning``, ``error``) when ``--log-level`` is not given."""
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 success, 1 a weightstream error, 2 usage)."""
+    """Run the command line; returns the exit status (0 success, 1 a weightstream error, 2 usage, 130 interrupted)."""
     args = _parser().parse_args(argv)
+    _log_to_stderr(args.log_level or os.environ.get(LOG_ENVIRONMENT) or "warning")
     try:
         return args.run(args)
     except WeightstreamError as error:
         print(f"weightstream: error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("weightstream: interrupted", file=sys.stderr)
+        return 130
+
+
+def _log_to_stderr(level: str) -> None:
+    """weightstream's log lines at ``level`` and above on stderr, one line each (the library itself configures no
+    logging: a program that imports it decides)."""
+    if level.lower() not in LOG_LEVELS:
+        print(
+            f"weightstream: error: {LOG_ENVIRONMENT}={level!r}: not a log level ({', '.join(LOG_LEVELS)})",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("weightstream: %(levelname)s: %(message)s"))
+    root = logging.getLogger("weightstream")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
 
 
 def _positive(text: str) -> int:
@@ -274,18 +300,28 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weightstream", description="Load LLM weights at the speed of the hardware.")
+    parser = argparse.ArgumentParser(
+        prog="weightstream", description="Load LLM weights at the speed of the hardware.", allow_abbrev=False
+    )
+    parser.add_argument("--version", action="version", version=f"weightstream {weightstream.__version__}")
+    parser.add_argument(
+        "--log-level",
+        "-l",
+        choices=LOG_LEVELS,
+        default=None,
+        help=f"log lines shown on stderr (default: ${LOG_ENVIRONMENT}, else warning)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     inspect = commands.add_parser(
-        "inspect", help="list tensors, dtypes, shapes, bytes and metadata (reads headers only)"
+        "inspect", allow_abbrev=False, help="list tensors, dtypes, shapes, bytes and metadata (reads headers only)"
     )
     inspect.add_argument("uri")
     inspect.add_argument("--format", default="auto")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=_inspect)
 
-    load = commands.add_parser("load", help="load every tensor and report GB/s")
+    load = commands.add_parser("load", allow_abbrev=False, help="load every tensor and report GB/s")
     load.add_argument("uri")
     load.add_argument("--format", default="auto")
     load.add_argument("--threads", type=int, default=None)
@@ -304,7 +340,9 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("--json", action="store_true")
     load.set_defaults(run=_load)
 
-    bench = commands.add_parser("bench", help="compare weightstream with its peers and the machine's limits")
+    bench = commands.add_parser(
+        "bench", allow_abbrev=False, help="compare weightstream with its peers and the machine's limits"
+    )
     bench.add_argument(
         "uri",
         nargs="?",
@@ -337,7 +375,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=_bench)
 
     convert = commands.add_parser(
-        "convert", help="convert a Hugging Face checkpoint into a tensor-parallel sharded state"
+        "convert", allow_abbrev=False, help="convert a Hugging Face checkpoint into a tensor-parallel sharded state"
     )
     convert.add_argument("src")
     convert.add_argument("dst")
@@ -360,7 +398,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--json", action="store_true")
     convert.set_defaults(run=_convert)
     pushing = commands.add_parser(
-        "push", help="upload a checkpoint directory to an OCI registry as a ModelPack artifact"
+        "push", allow_abbrev=False, help="upload a checkpoint directory to an OCI registry as a ModelPack artifact"
     )
     pushing.add_argument("directory")
     pushing.add_argument("uri", help="oci://registry[:port]/repository:tag (credentials: docker login)")

@@ -33,9 +33,11 @@ def add_cache_commands(
     parse_size: Callable[[str], int],
 ) -> None:
     """Add ``cache`` and its subcommands to the ``weightstream`` parser."""
-    cache = commands.add_parser("cache", help="the node weight cache: a daemon holding weights in shared memory")
+    cache = commands.add_parser(
+        "cache", allow_abbrev=False, help="the node weight cache: a daemon holding weights in shared memory"
+    )
     actions = cache.add_subparsers(dest="cache_command", required=True)
-    serve = actions.add_parser("serve", help="run the daemon in the foreground (SIGTERM stops it)")
+    serve = actions.add_parser("serve", allow_abbrev=False, help="run the daemon in the foreground (SIGTERM stops it)")
     serve.add_argument(
         "--dir", default=default_directory(), help=f"where segments live (default {default_directory()})"
     )
@@ -78,19 +80,23 @@ def add_cache_commands(
     )
     serve.set_defaults(run=_serve)
     for name, text in (("ls", "list the entries"), ("stats", "the daemon's counters")):
-        action = actions.add_parser(name, help=text)
+        action = actions.add_parser(name, allow_abbrev=False, help=text)
         _add_socket(action)
         action.set_defaults(run=_simple, op=name)
-    stop = actions.add_parser("stop", help="stop the daemon")
+    stop = actions.add_parser("stop", allow_abbrev=False, help="stop the daemon")
     stop.add_argument("--wait", action="store_true", help="return once the daemon has stopped (its socket gone)")
     _add_socket(stop)
     stop.set_defaults(run=_stop, op="stop")
-    evict = actions.add_parser("evict", help="remove entries no process uses: by key, by URI (a file or a directory)")
+    evict = actions.add_parser(
+        "evict", allow_abbrev=False, help="remove entries no process uses: by key, by URI (a file or a directory)"
+    )
     evict.add_argument("entry", nargs="?", default=None, metavar="KEY|URI")
     evict.add_argument("--all", action="store_true", help="every entry no process uses")
     _add_socket(evict)
     evict.set_defaults(run=_simple, op="evict")
-    prefetch = actions.add_parser("prefetch", help="fill the cache with a checkpoint before its engine starts")
+    prefetch = actions.add_parser(
+        "prefetch", allow_abbrev=False, help="fill the cache with a checkpoint before its engine starts"
+    )
     prefetch.add_argument("uri")
     prefetch.add_argument("--format", default="auto")
     prefetch.add_argument(
