@@ -1,11 +1,13 @@
 """The fixed costs of a load (issue 16 §4), each against its peer in the same run, medians of interleaved rounds:
 
-- ``import``: ``import weightstream`` after ``import torch``, against ``import safetensors`` (fresh process each);
+- ``import``: ``from weightstream import load_weights`` (the API: ``import weightstream`` alone imports only the
+  package and its errors) after ``import torch``, against ``from safetensors.torch import load_file`` (fresh process
+  each);
 - ``zero-copy``: a warm 512 MiB checkpoint, ``load_weights(zero_copy=True)`` against ``safetensors.torch.load_file``,
   every 4 KiB page touched, imports outside the clock (one process, rounds alternating);
 - ``first-zero-copy``: the same two calls as a fresh process's first (a process that loads one small checkpoint and
-  exits pays this), ``import weightstream`` and ``import safetensors.torch`` outside the clock on both sides, no page
-  touched (the call's own cost);
+  exits pays this), the imports of the two functions outside the clock on both sides, no page touched (the call's own
+  cost);
 - ``s3``: 256 MiB from a local SeaweedFS, from process start to every tensor in memory (fresh process each):
   weightstream's default loader against one plain boto3 GET per object read into memory (``boto3-get``, the
   baseline with nothing else imported) and the same GETs in a process that imports torch (``boto3-get-torch``:
@@ -33,13 +35,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 from objectstore_bench import BUCKET, KEYS, start_seaweedfs, upload
 
 IMPORTS = {
-    "weightstream": "import torch, time; t = time.perf_counter(); import weightstream; print(time.perf_counter() - t)",
-    "safetensors": "import torch, time; t = time.perf_counter(); import safetensors; print(time.perf_counter() - t)",
+    "weightstream": (
+        "import torch, time; t = time.perf_counter(); from weightstream import load_weights; "
+        "print(time.perf_counter() - t)"
+    ),
+    "safetensors": (
+        "import torch, time; t = time.perf_counter(); from safetensors.torch import load_file; "
+        "print(time.perf_counter() - t)"
+    ),
 }
 FIRST_LOADS = {
     "weightstream": (
-        "import sys, time, torch, weightstream\n"
-        "t = time.perf_counter(); weights = weightstream.load_weights(sys.argv[1], zero_copy=True)\n"
+        "import sys, time, torch\n"
+        "from weightstream import load_weights\n"
+        "t = time.perf_counter(); weights = load_weights(sys.argv[1], zero_copy=True)\n"
         "print(time.perf_counter() - t)"
     ),
     "safetensors.load_file": (

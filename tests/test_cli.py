@@ -317,3 +317,15 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
     monkeypatch.setattr(command_line, "_inspect", interrupted)
     assert command_line.main(["inspect", "anything"]) == 130
     assert capsys.readouterr().err == "weightstream: interrupted\n"
+
+
+def test_help_and_version_import_no_torch():
+    """``--help`` and ``--version`` answer at once: building the parser imports no torch (nor any backend)."""
+    script = "import sys, weightstream.cli as cli\ncli._parser()\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+    from weightstream.bench.methods import METHODS_BY_DEVICE
+    from weightstream.bench.runner import CACHES
+    from weightstream.cli import BENCH_CACHES, BENCH_DEVICES
+
+    assert (BENCH_DEVICES, BENCH_CACHES) == (tuple(METHODS_BY_DEVICE), CACHES)

@@ -26,16 +26,15 @@ import time
 from collections.abc import Sequence
 
 import weightstream
-from weightstream.bench.demo import GIB, demo_checkpoint
-from weightstream.bench.methods import METHODS_BY_DEVICE
-from weightstream.bench.runner import CACHES, check_device, format_table, plot, run_bench
 from weightstream.errors import WeightstreamError
-from weightstream.formats.safetensors import DTYPE_NAMES
 from weightstream.nodecache.daemon.commands import add_cache_commands
 from weightstream.progress import ProgressBar
 from weightstream.terminal import printable
 
 MAX_SIZE = 1 << 62
+DEMO_BYTES = 1 << 30
+BENCH_DEVICES = ("cpu", "cuda")
+BENCH_CACHES = ("cold", "warm")
 SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -119,6 +118,8 @@ def parse_size(text: str) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from weightstream.formats.safetensors import DTYPE_NAMES
+
     with weightstream.open(args.uri, args.format) as checkpoint:
         plan = checkpoint.plan
     if args.json:
@@ -211,6 +212,9 @@ def _report(as_json: bool, result: dict, text: str) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from weightstream.bench.demo import demo_checkpoint
+    from weightstream.bench.runner import check_device, format_table, plot, run_bench
+
     check_device(args.device)
     uri = args.uri
     if uri is None:
@@ -348,7 +352,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="?",
         help="a checkpoint (a path, s3://, gs://, http(s)://); default: a demo Llama checkpoint built in the cache",
     )
-    bench.add_argument("--size", type=parse_size, default=GIB, help="demo checkpoint size (default 1GiB)")
+    bench.add_argument("--size", type=parse_size, default=DEMO_BYTES, help="demo checkpoint size (default 1GiB)")
     bench.add_argument("--shards", type=int, default=2, help="demo checkpoint shards (default 2)")
     bench.add_argument(
         "--layers",
@@ -358,18 +362,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--cache-dir", default=None, help="where demo checkpoints live (default ~/.cache/weightstream)")
     bench.add_argument("--rounds", type=int, default=3)
-    bench.add_argument(
-        "--device", choices=list(METHODS_BY_DEVICE), default="cpu", help="where tensors land (default cpu)"
-    )
+    bench.add_argument("--device", choices=BENCH_DEVICES, default="cpu", help="where tensors land (default cpu)")
     bench.add_argument(
         "--methods",
         default=None,
-        help="comma-separated; cpu: "
-        + ", ".join(METHODS_BY_DEVICE["cpu"])
-        + "; cuda: "
-        + ", ".join(METHODS_BY_DEVICE["cuda"]),
+        help="comma-separated methods (default: every one installed for the device; an unknown name lists them)",
     )
-    bench.add_argument("--cache", default=",".join(CACHES), help="page-cache states: cold,warm")
+    bench.add_argument(
+        "--cache", default=",".join(BENCH_CACHES), help=f"page-cache states, comma-separated: {', '.join(BENCH_CACHES)}"
+    )
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", metavar="PNG", default=None, help="also write a bar chart")
     bench.set_defaults(run=_bench)

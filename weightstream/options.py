@@ -100,7 +100,8 @@ class LoadOptions:
     fault in than recycled 4 KiB pages, but a direct read pins and fills them faster."""
 
     prefault: bool = True
-    """Fault destination pages in from a helper thread, ahead of the readers. Default ``True``."""
+    """Each reader faults in the destination pages of its request (``MADV_POPULATE_WRITE``, off the GIL)
+    just before reading into them (pinned memory is faulted in already). Default ``True``."""
 
     zero_copy: bool | Auto = "auto"
     """Return views of a private mapping of each file (a local file, or a segment of the node cache)
@@ -113,8 +114,9 @@ class LoadOptions:
     cache: str | None = None
     """The node weight cache to read through (see the README's "Node weight cache"): the daemon's socket
     path, or ``"auto"`` (``$WEIGHTSTREAM_CACHE`` or the default socket, if a daemon listens there; else
-    the source is read directly, logged once). An explicit socket without a daemon raises
-    ``CacheUnavailableError``. Default ``None``: no cache."""
+    the source is read directly: logged at DEBUG where no socket exists, at INFO otherwise, e.g. a stale
+    socket). An explicit socket without a daemon raises ``CacheUnavailableError``. Default ``None``: no
+    cache."""
 
     storage_options: Mapping[str, object] | None = None
     """Remote sources. S3: ``endpoint_url``, ``key``, ``secret``, ``token``, ``region_name``, ``profile``,

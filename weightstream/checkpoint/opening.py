@@ -11,9 +11,11 @@ from collections.abc import Mapping
 
 import torch
 
-# The loader of local files and of the node cache, imported with the API rather than at a process's first load:
-# its modules cost ~5 ms once, fourteen times a warm zero-copy load of 512 MiB (benchmarks/fixed_costs.py).
-import weightstream.loaders.safetensors  # noqa: F401
+# The loader and the store of local files (and the loader of the node cache), imported with the API rather than at a
+# process's first load: their modules cost ~5 ms once, fourteen times a warm zero-copy load of 512 MiB
+# (benchmarks/fixed_costs.py).
+import weightstream.loaders.safetensors
+import weightstream.sources.local.file  # noqa: F401
 from weightstream.checkpoint.handle import Checkpoint
 from weightstream.errors import OptionError
 from weightstream.loaders.base import Loader

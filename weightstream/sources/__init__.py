@@ -8,7 +8,6 @@ from typing import Any
 
 from weightstream.errors import UnsupportedInputError
 from weightstream.sources.base import Source, Store
-from weightstream.sources.local.file import LocalStore
 from weightstream.sources.retry import RetryPolicy
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "oci://", "http://", "https://", "hf://")
@@ -46,6 +45,8 @@ def store_for(uri: str, storage_options: Mapping[str, Any] | None = None, policy
     """
     scheme = _SCHEME.match(uri)
     if scheme is None or scheme[1] == "file":
+        from weightstream.sources.local.file import LocalStore  # torch comes with it: not for `weightstream --help`
+
         return LocalStore()
     if uri.startswith(("http://", "https://")):
         from weightstream.sources.http.store import HttpStore

@@ -19,7 +19,6 @@ from weightstream.nodecache.daemon.directory import default_directory
 from weightstream.nodecache.daemon.endpoint import socket_directory
 from weightstream.nodecache.daemon.limits import clamp_budget
 from weightstream.nodecache.daemon.references import KEY
-from weightstream.nodecache.daemon.server import CacheDaemon
 from weightstream.nodecache.protocol import close_all
 from weightstream.progress import ProgressBar
 from weightstream.terminal import printable
@@ -299,6 +298,8 @@ def run_daemon(
     Raises:
         CacheConfigError, CacheInUseError: an option, the directory or the socket refused, before anything starts.
     """
+    from weightstream.nodecache.daemon.server import CacheDaemon  # the segments' machinery: not for `--help`
+
     if default_socket:
         socket_directory(os.path.dirname(socket_path), group)
     if budget is not None:
