@@ -226,6 +226,8 @@ IMPORTED_BY_THE_FIRST_NAME = [
     "weightstream.registry",
     "weightstream.sources",
     "weightstream.sources.base",
+    "weightstream.sources.hub",
+    "weightstream.sources.hub.ids",
     "weightstream.sources.local",
     "weightstream.sources.local.file",
     "weightstream.sources.local.identity",
@@ -261,3 +263,16 @@ def test_what_import_weightstream_imports():
     assert [name for name in first_name if name.split(".")[0] == "weightstream"] == IMPORTED_BY_THE_FIRST_NAME
     foreign = {name.split(".")[0] for name in first_name} - {"weightstream"} - set(sys.stdlib_module_names)
     assert foreign <= {"typing_extensions"}
+
+
+def test_every_error_a_user_can_meet_is_exported():
+    import weightstream
+    from weightstream import errors
+
+    classes = {
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type) and issubclass(value, errors.WeightstreamError)
+    }
+    assert classes - set(weightstream.__all__) == set()
+    assert all(getattr(weightstream, name) is getattr(errors, name) for name in classes)

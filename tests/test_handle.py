@@ -353,3 +353,54 @@ def test_a_slice_reads_through_the_checkpoints_loader(tmp_path: Path, format, op
         assert checkpoint.format == format
         assert torch.equal(part, tensors["model.layers.1.w"][3:9, 5:7])
         assert (checkpoint.stats.tensors, checkpoint.stats.tensor_bytes) == (1, 6 * 2 * 4)
+
+
+def test_habits_from_safetensors_are_accepted(tmp_path: Path, no_leaks):
+    """``framework="pt"`` and a ``torch.device`` (or an integer, as ``cuda:N``) are taken as safetensors takes them;
+    a framework weightstream does not return, or one passed where the format goes, is refused naming both."""
+    save_file({"w": torch.arange(4.0)}, str(tmp_path / "model.safetensors"))
+    with weightstream.open(tmp_path / "model.safetensors", framework="pt", device=torch.device("cpu")) as checkpoint:
+        assert checkpoint.options.device == "cpu" and torch.equal(checkpoint.get_tensor("w"), torch.arange(4.0))
+    assert weightstream.LoadOptions(device=torch.device("cuda", 1)).device == "cuda:1"
+    assert weightstream.LoadOptions(device=0).device == "cuda:0"
+    if not torch.cuda.is_available():
+        with pytest.raises(weightstream.DeviceUnavailableError, match=r"device 'cuda:0' requested"):
+            weightstream.load_weights(tmp_path / "model.safetensors", device=0)
+    for framework, format in (("np", "auto"), ("pt", "pt")):
+        with pytest.raises(
+            weightstream.InvalidOptionError,
+            match=rf"framework='{framework}', format='{format}': weightstream returns torch tensors",
+        ):
+            weightstream.open(tmp_path / "model.safetensors", format, framework=framework)
+
+
+def test_what_is_not_a_checkpoint_is_named(tmp_path: Path, monkeypatch, no_leaks):
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096}')
+    with pytest.raises(weightstream.HeaderError, match=r"the file starts like JSON text, not a safetensors file"):
+        weightstream.load_weights(tmp_path / "config.json")
+    (tmp_path / "weights").write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(weightstream.HeaderError, match=r"looks like a zip archive \(torch.save's format"):
+        weightstream.load_weights(tmp_path / "weights")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(weightstream.NotFound, match=r"did you mean the Hugging Face model hf://Qwen/Qwen3-0.6B\?"):
+        weightstream.load_weights("Qwen/Qwen3-0.6B")
+
+
+def test_a_loader_whose_plan_is_not_a_plan_is_named(monkeypatch, tmp_path: Path, no_leaks):
+    class Planless:
+        name: ClassVar[str] = "planless-test"
+
+        def check(self, opts) -> None:
+            pass
+
+        def plan(self, store, uri, opts):
+            return {"tensors": []}
+
+        def iter_weights(self, store, plan, opts):
+            return iter(())
+
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    weightstream.register_loader("planless-test", Planless)
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(TypeError, match=r"format 'planless-test': .*Planless.plan returned a dict, not a .*LoadPlan"):
+        weightstream.open(tmp_path / "model.safetensors", "planless-test")

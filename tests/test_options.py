@@ -32,7 +32,11 @@ def test_defaults():
         ({"threads": True}, InvalidOptionError, r"threads must be a positive integer or None, got True"),
         ({"chunk_bytes": 100}, InvalidOptionError, r"chunk_bytes must be a positive multiple of 4096 or None, got 100"),
         ({"device": "tpu:9"}, InvalidOptionError, r"device 'tpu:9' is not a device torch knows"),
-        ({"device": 0}, OptionError, r"device must be a string such as 'cpu' or 'cuda:0', got int"),
+        (
+            {"device": 1.5},
+            OptionError,
+            r"device must be a string such as 'cpu' or 'cuda:0' \(or a torch.device, or N for 'cuda:N'\), got float",
+        ),
         (
             {"filter": "lm_head.weight"},
             OptionError,

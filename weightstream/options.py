@@ -52,7 +52,8 @@ class LoadOptions:
     """
 
     device: str = "cpu"
-    """Where tensors land: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. A CUDA device this machine lacks raises
+    """Where tensors land: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (a ``torch.device``, or an integer N for
+    ``"cuda:N"``, is taken as its name). A CUDA device this machine lacks raises
     ``DeviceUnavailableError``; other device types (``meta``, ``xpu``, ``mps``, ``hpu``, ...) raise
     ``InvalidOptionError``; nothing falls back to the CPU. Default ``"cpu"``: memory the caller owns."""
 
@@ -148,6 +149,7 @@ class LoadOptions:
     ``weightstream.registry.bind_options``; read them with :meth:`own`. Default ``None``: none given."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "device", _device_name(self.device))
         _check_device(self.device)
         if self.threads is not None and (not is_int(self.threads) or self.threads < 1):
             raise InvalidOptionError(f"threads must be a positive integer or None, got {self.threads!r}")
@@ -329,9 +331,27 @@ SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 """Where tensors can land (``meta``, ``xpu``, ``mps``, ``hpu``, ... are refused, not silently loaded to the CPU)."""
 
 
+def _device_name(device: object) -> object:
+    """``device`` as a name: a ``torch.device`` by its name, an integer as that CUDA device (as torch and safetensors
+    take them); anything else as it is, for :func:`_check_device` to judge.
+
+    Example:
+        >>> _device_name(torch.device("cuda", 1)), _device_name(0), _device_name("cpu")
+        ('cuda:1', 'cuda:0', 'cpu')
+    """
+    if isinstance(device, torch.device):
+        return str(device)
+    if isinstance(device, int) and not isinstance(device, bool):
+        return f"cuda:{device}"
+    return device
+
+
 def _check_device(device: object) -> None:
     if not isinstance(device, str):
-        raise OptionError(f"device must be a string such as 'cpu' or 'cuda:0', got {type(device).__name__}")
+        raise OptionError(
+            f"device must be a string such as 'cpu' or 'cuda:0' (or a torch.device, or N for 'cuda:N'), got "
+            f"{type(device).__name__}"
+        )
     try:
         target = torch.device(device)
     except (RuntimeError, ValueError) as error:

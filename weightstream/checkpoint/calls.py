@@ -73,7 +73,7 @@ def iter_layers(uri: str | os.PathLike[str], **options: object) -> Iterator[tupl
 
 
 def load_weights(
-    uri: str | os.PathLike[str], format: str = AUTO, device: str = "cpu", **options: object
+    uri: str | os.PathLike[str], format: str = AUTO, device: str | torch.device | int = "cpu", **options: object
 ) -> dict[str, torch.Tensor]:
     """Load every (selected) tensor: all of them, or an error and none.
 

@@ -17,9 +17,10 @@ import torch
 import weightstream.loaders.safetensors
 import weightstream.sources.local.file  # noqa: F401
 from weightstream.checkpoint.handle import Checkpoint
-from weightstream.errors import OptionError
+from weightstream.errors import InvalidOptionError, OptionError
 from weightstream.loaders.base import Loader
 from weightstream.options import LoadOptions
+from weightstream.planning.plan import LoadPlan
 from weightstream.registry import AUTO, bind_options, check_options, get_loader
 from weightstream.sources import REMOTE_SCHEMES, Store, locate
 from weightstream.sources.base import SharedMemory
@@ -41,8 +42,13 @@ def resolve_format(uri: str) -> str:
     return "streaming" if uri.startswith(REMOTE_SCHEMES) else "safetensors"
 
 
+FRAMEWORKS = ("pt", "torch")
+"""``framework=`` values accepted, as ``safetensors.safe_open`` takes them (weightstream returns torch tensors)."""
+
+
 def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> Checkpoint:
     """Open the checkpoint at ``uri``: options checked, loader picked, headers read, no tensor data yet.
+    ``framework="pt"`` is accepted, as ``safetensors.safe_open`` takes it.
 
     Use it as a context manager (or call ``close()``): the checkpoint holds its store (and, for an
     object store, its connections) until then. Garbage collection closes it too.
@@ -63,6 +69,12 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
         raise OptionError(f"uri must be a path or a URI string, got {type(uri).__name__}")
     if not isinstance(format, str):
         raise OptionError(f"format must be a string, got {type(format).__name__}")
+    framework = options.pop("framework", "pt")
+    if framework not in FRAMEWORKS or format in FRAMEWORKS:
+        raise InvalidOptionError(
+            f"framework={framework!r}, format={format!r}: weightstream returns torch tensors (framework='pt', as "
+            "safetensors.safe_open takes it, is accepted); the second argument of weightstream.open is the format"
+        )
     opts, own = check_options(format, options)
     chosen = None if format == AUTO else _checked_loader(format, opts, own)
     store, location = locate(uri, opts.storage_options, opts.retry_policy())
@@ -74,6 +86,11 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
         automatic = "safetensors" if isinstance(store, SharedMemory) else resolve_format(location)
         loader, opts = chosen or _checked_loader(automatic, opts, own)
         plan = loader.plan(store, location, opts)
+        if not isinstance(plan, LoadPlan):
+            raise TypeError(
+                f"format {loader.name!r}: {type(loader).__module__}.{type(loader).__qualname__}.plan returned a "
+                f"{type(plan).__name__}, not a weightstream.planning.plan.LoadPlan"
+            )
     except BaseException:
         store.close()
         raise

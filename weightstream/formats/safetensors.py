@@ -91,13 +91,44 @@ def header_length(prefix: bytes, file_size: int, file: str) -> int:
         raise HeaderError(f"{file}: file is {file_size} bytes, shorter than the {LENGTH_BYTES}-byte header length")
     (length,) = struct.unpack("<Q", prefix[:LENGTH_BYTES])
     if length > MAX_HEADER_BYTES:
-        raise HeaderError(f"{file}: header length {length} exceeds the limit of {MAX_HEADER_BYTES} bytes")
+        raise HeaderError(
+            f"{file}: header length {length} exceeds the limit of {MAX_HEADER_BYTES} bytes{looks_like(prefix)}"
+        )
     if LENGTH_BYTES + length > file_size:
         raise HeaderError(
             f"{file}: header length {length} runs past the end of the file "
-            f"(header would end at byte {LENGTH_BYTES + length}, file has {file_size} bytes)"
+            f"(header would end at byte {LENGTH_BYTES + length}, file has {file_size} bytes){looks_like(prefix)}"
         )
     return length
+
+
+FILE_SIGNATURES = (
+    (b"PK\x03\x04", "a zip archive (torch.save's format: pickled objects, which weightstream never loads)"),
+    (b"\x80", "a pickle (weightstream never unpickles anything)"),
+    (b"GGUF", "a GGUF file"),
+    (b"\x89HDF", "an HDF5 file"),
+    (b"\x1f\x8b", "a gzip archive"),
+)
+"""The first bytes of files that are mistaken for checkpoints, and what they are."""
+
+
+def looks_like(prefix: bytes) -> str:
+    """What a file whose first bytes are ``prefix`` seems to be, for the message of a header that is none, or "".
+
+    Example:
+        >>> looks_like(b'{"architectures": ["LlamaForCausalLM"]}')
+        '; the file starts like JSON text, not a safetensors file (a config or an index?)'
+        >>> looks_like((100).to_bytes(8, "little"))
+        ''
+    """
+    for signature, what in FILE_SIGNATURES:
+        if prefix.startswith(signature):
+            return f"; the file looks like {what}, not a safetensors file"
+    if prefix.lstrip()[:1] in (b"{", b"["):
+        return "; the file starts like JSON text, not a safetensors file (a config or an index?)"
+    if prefix and all(32 <= byte < 127 or byte in b"\t\r\n" for byte in prefix[:LENGTH_BYTES]):
+        return "; the file starts like text, not a safetensors file"
+    return ""
 
 
 def parse_header(raw: bytes, file_size: int, file: str) -> Header:

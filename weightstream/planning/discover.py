@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from weightstream.errors import FormatError, NotFound, ShardIndexError, UnsupportedInputError
 from weightstream.formats.index import INDEX_NAME, MAX_INDEX_BYTES, ShardIndex, parse_index
 from weightstream.sources.base import Store
+from weightstream.sources.hub.ids import looks_like_repo_id
 
 SAFETENSORS_SUFFIX = ".safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -40,7 +41,9 @@ def find_files(store: Store, uri: str) -> CheckpointFiles:
         ('model.safetensors',)
     """
     if not store.exists(uri):
-        raise NotFound(f"{uri}: no such file or directory")
+        model_id = uri.count("/") == 1 and looks_like_repo_id(uri) and not uri.endswith((SAFETENSORS_SUFFIX, ".json"))
+        hint = f"; did you mean the Hugging Face model hf://{uri}?" if model_id else ""
+        raise NotFound(f"{uri}: no such file or directory{hint}")
     if not store.is_dir(uri):
         _refuse_pickle(uri)
         return CheckpointFiles(files=(uri,))
