@@ -146,6 +146,38 @@ def test_the_cli_converts_and_reports(tmp_path: Path):
         check=False,
     )
     assert refused.returncode == 1 and "the one conversion is to sharded-state" in refused.stderr
+    for rank in ("0", "1"):
+        loaded = subprocess.run(
+            [
+                *command[:3],
+                "load",
+                str(tmp_path / "tp"),
+                "--format",
+                "sharded-state",
+                "--rank",
+                rank,
+                "--world-size",
+                "2",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+            check=False,
+        )
+        assert loaded.returncode == 0, loaded.stderr
+        assert json.loads(loaded.stdout)["tensors"] == len(state)
+    not_a_rank = subprocess.run(
+        [*command[:3], "inspect", str(tmp_path / "tp"), "--rank", "one"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert not_a_rank.returncode == 2 and "not a rank: 'one' (N, or PP,TP with pipeline parallelism)" in (
+        not_a_rank.stderr
+    )
 
 
 def write_config(directory: Path, heads: int, kv_heads: int) -> None:

@@ -100,6 +100,20 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def parse_rank(text: str) -> int | tuple[int, int]:
+    """A rank or world size: ``N``, or ``PP,TP`` for a pipeline-parallel sharded state.
+
+    Example:
+        >>> parse_rank("1"), parse_rank("0,3")
+        (1, (0, 3))
+    """
+    parts = text.split(",")
+    if len(parts) > 2 or not all(part.strip().isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"not a rank: {text[:40]!r} (N, or PP,TP with pipeline parallelism)")
+    numbers = [int(part) for part in parts]
+    return numbers[0] if len(numbers) == 1 else (numbers[0], numbers[1])
+
+
 def parse_size(text: str) -> int:
     """``"1GiB"`` -> 1073741824: decimal (``k``, ``M``, ``G``, ``T``, with or without ``B``) and binary units (``KiB``
     ... ``TiB``, and Kubernetes' ``Ki`` ... ``Ti``), at most 2**62 bytes.
@@ -117,10 +131,15 @@ def parse_size(text: str) -> int:
     return size
 
 
+def _rank_options(args: argparse.Namespace) -> dict[str, object]:
+    """``--rank`` and ``--world-size`` as the sharded-state loader's options (other loaders refuse them)."""
+    return {name: value for name, value in (("rank", args.rank), ("world_size", args.world_size)) if value is not None}
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from weightstream.formats.safetensors import DTYPE_NAMES
 
-    with weightstream.open(args.uri, args.format) as checkpoint:
+    with weightstream.open(args.uri, args.format, **_rank_options(args)) as checkpoint:
         plan = checkpoint.plan
     if args.json:
         print(
@@ -162,7 +181,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> int:
-    options = {"threads": args.threads, "device": args.device, "pin_memory": args.pin_memory}
+    options = {"threads": args.threads, "device": args.device, "pin_memory": args.pin_memory, **_rank_options(args)}
     if args.no_huge_pages:
         options["huge_pages"] = False
     if args.chunk_mib is not None:
@@ -303,6 +322,18 @@ def _convert(args: argparse.Namespace) -> int:
     )
 
 
+def _add_rank_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--rank", type=parse_rank, default=None, help="--format sharded-state: whose files (N, or PP,TP)"
+    )
+    command.add_argument(
+        "--world-size",
+        type=parse_rank,
+        default=None,
+        help="--format sharded-state: the world size, checked against the manifest (N, or PP,TP)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightstream", description="Load LLM weights at the speed of the hardware.", allow_abbrev=False
@@ -323,6 +354,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("uri")
     inspect.add_argument("--format", default="auto")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_rank_arguments(inspect)
     inspect.set_defaults(run=_inspect)
 
     load = commands.add_parser("load", allow_abbrev=False, help="load every tensor and report GB/s")
@@ -342,6 +374,7 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("--pin-memory", action="store_true", help="pinned CPU tensors (needs CUDA and cuda-python)")
     load.add_argument("--cache", default=None, help="read through the node cache: its socket, or 'auto'")
     load.add_argument("--json", action="store_true")
+    _add_rank_arguments(load)
     load.set_defaults(run=_load)
 
     bench = commands.add_parser(
