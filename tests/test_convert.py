@@ -243,3 +243,21 @@ def test_a_fused_parameter_missing_a_part_is_refused_before_writing(tmp_path: Pa
     ):
         convert_to_sharded_state(source, tmp_path / "tp", tp=2, engine="vllm")
     assert not (tmp_path / "tp").exists()
+
+
+def test_conversion_carries_the_config_and_tokenizer_and_stays_outside_its_source(tmp_path: Path, no_leaks):
+    state = llama_state_dict(SHAPE)
+    source = save_hf_sharded(state, tmp_path / "hf", shards=2)
+    (source / "config.json").write_text('{"num_attention_heads": 4}')
+    (source / "tokenizer.json").write_text('{"model": {}}')
+    (source / "pytorch_model.bin").write_bytes(b"never copied")
+    result = convert_to_sharded_state(source, tmp_path / "tp", tp=2)
+    assert result["copied"] == ["config.json", "tokenizer.json"]
+    assert (tmp_path / "tp" / "config.json").read_text() == '{"num_attention_heads": 4}'
+    assert not (tmp_path / "tp" / "pytorch_model.bin").exists()
+    assert not list((tmp_path / "tp").glob(".*.partial"))
+    for destination in (source, source / "tp2", source / "model.safetensors.index.json" / ".."):
+        with pytest.raises(weightstream.InvalidOptionError, match=r"is inside the checkpoint being converted"):
+            convert_to_sharded_state(source, destination, tp=2)
+    assert not (source / "tp2").exists()
+

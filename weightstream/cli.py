@@ -313,12 +313,14 @@ def _convert(args: argparse.Namespace) -> int:
         "files": result["files"],
         "seconds": seconds,
         "replicated": replicated,
+        "copied": result["copied"],
     }
     return _report(
         args.json,
         summary,
         f"wrote {len(result['files'])} files for {args.tp} ranks into {args.dst} in {seconds:.2f} s "
-        f"({len(result['split']) - len(replicated)} tensors split, {len(replicated)} replicated)",
+        f"({len(result['split']) - len(replicated)} tensors split, {len(replicated)} replicated; "
+        f"{len(result['copied'])} files copied beside them: {', '.join(result['copied']) or 'none'})",
     )
 
 

@@ -24,10 +24,19 @@ from collections.abc import Callable, Sequence
 import torch
 
 from weightstream.checkpoint.calls import load_weights
-from weightstream.errors import InvalidOptionError
+from weightstream.errors import InvalidOptionError, logger
+from weightstream.formats.index import INDEX_NAME
 from weightstream.save import engine_naming
 from weightstream.save.saver import DEFAULT_MAX_FILE_BYTES, save_sharded_state
 from weightstream.sources import REMOTE_SCHEMES
+from weightstream.sources.local.regular import read_regular
+
+log = logger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".gguf")
+"""Files beside a checkpoint that are weights, never copied into a conversion's output."""
+MAX_COMPANION_BYTES = 256 << 20
+"""The largest file copied beside the converted weights (a tokenizer is a few MB; a larger one is no companion)."""
 
 SplitRule = tuple[str, "int | None"]
 """(pattern, dimension to split, or None to replicate)."""
@@ -108,6 +117,8 @@ def convert_to_sharded_state(
         )
     source = os.fspath(source)
     mapped = not source.startswith(REMOTE_SCHEMES)
+    if mapped:
+        _check_outside(source, os.fspath(destination))
     if engine is not None:
         if not mapped:
             raise InvalidOptionError(f"{source}: engine naming reads the model's config.json beside a local checkpoint")
@@ -126,7 +137,42 @@ def convert_to_sharded_state(
         files += save_sharded_state(
             state, destination, rank=rank, world_size=tp, max_file_bytes=max_file_bytes, progress=progress
         )
-    return {"tp": tp, "files": files, "split": split, "engine": engine}
+    copied = _copy_companions(source, os.fspath(destination)) if mapped else []  # into the directory the saves made
+    return {"tp": tp, "files": files, "split": split, "engine": engine, "copied": copied}
+
+
+def _check_outside(source: str, destination: str) -> None:
+    """Refuse a destination that is the source's directory or inside it: its files would join the checkpoint."""
+    directory = os.path.realpath(source if os.path.isdir(source) else os.path.dirname(source) or ".")
+    target = os.path.realpath(destination)
+    if target == directory or target.startswith(directory + os.sep):
+        raise InvalidOptionError(
+            f"{destination}: is inside the checkpoint being converted ({directory}); write the sharded state elsewhere"
+        )
+
+
+def _copy_companions(source: str, destination: str) -> list[str]:
+    """Copy the files beside a local checkpoint that are not weights (``config.json``, the tokenizer's files,
+    ``generation_config.json``, ...) into ``destination``, each written under a temporary name and renamed, so that
+    an engine pointed at the sharded state finds them; the names copied."""
+    directory = source if os.path.isdir(source) else os.path.dirname(source) or "."
+    copied = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.endswith(WEIGHT_SUFFIXES) or name == INDEX_NAME or name.startswith(".") or not os.path.isfile(path):
+            continue
+        if os.path.getsize(path) > MAX_COMPANION_BYTES:
+            log.warning("%s: %d bytes, not copied beside the converted weights", path, os.path.getsize(path))
+            continue
+        data = read_regular(path, MAX_COMPANION_BYTES)
+        temporary = os.path.join(destination, f".{name}.partial")
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, os.path.join(destination, name))
+        copied.append(name)
+    return copied
 
 
 def _slice(tensor: torch.Tensor, dimension: int | None, tp: int, rank: int) -> torch.Tensor:
