@@ -261,3 +261,14 @@ def test_conversion_carries_the_config_and_tokenizer_and_stays_outside_its_sourc
             convert_to_sharded_state(source, destination, tp=2)
     assert not (source / "tp2").exists()
 
+
+def test_auto_reads_a_converted_checkpoint_as_a_sharded_state(tmp_path: Path, no_leaks):
+    state = llama_state_dict(SHAPE)
+    source = save_hf_sharded(state, tmp_path / "hf", shards=2)
+    convert_to_sharded_state(source, tmp_path / "tp", tp=2)
+    with weightstream.open(tmp_path / "tp", rank=1, world_size=2) as checkpoint:
+        assert checkpoint.format == "sharded-state"
+        loaded = checkpoint.load()
+    assert set(loaded) == set(state)
+    with pytest.raises(weightstream.ManifestError, match=r"saved for a world size of 2"):
+        weightstream.load_weights(tmp_path / "tp", rank=0, world_size=1)

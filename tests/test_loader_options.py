@@ -87,7 +87,8 @@ def test_a_third_party_option_is_validated_by_its_dataclass_before_any_io(scaled
 def test_the_other_loaders_refuse_a_third_party_option(scaled_loader, checkpoint, no_leaks):
     with pytest.raises(
         InvalidOptionError,
-        match=r"factor: an option of format='scaled-test'; format='auto' \(safetensors or streaming\) does not use it",
+        match=r"factor: an option of format='scaled-test'; format='auto' \(safetensors or streaming or sharded-state\) "
+        r"does not use it",
     ):
         weightstream.load_weights(checkpoint, factor=2)
     with pytest.raises(

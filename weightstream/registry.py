@@ -139,8 +139,9 @@ def options_class(loader: object) -> type | None:
 
 
 AUTO = "auto"
-AUTO_CHOICES = ("safetensors", "streaming")
-"""The formats ``format="auto"`` picks from (local files and the node cache: safetensors; objects: streaming)."""
+AUTO_CHOICES = ("safetensors", "streaming", "sharded-state")
+"""The formats ``format="auto"`` picks from (local files and the node cache: safetensors; objects: streaming; a
+directory with a weightstream manifest: sharded-state)."""
 
 
 def check_options(format: str, options: Mapping[str, object]) -> tuple[LoadOptions, dict[str, object]]:

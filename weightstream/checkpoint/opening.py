@@ -18,6 +18,7 @@ import weightstream.loaders.safetensors
 import weightstream.sources.local.file  # noqa: F401
 from weightstream.checkpoint.handle import Checkpoint
 from weightstream.errors import InvalidOptionError, OptionError
+from weightstream.formats.manifest import MANIFEST_PREFIX
 from weightstream.loaders.base import Loader
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan
@@ -27,7 +28,8 @@ from weightstream.sources.base import SharedMemory
 
 
 def resolve_format(uri: str) -> str:
-    """The format ``format="auto"`` picks for ``uri``.
+    """The format ``format="auto"`` picks for ``uri`` by its name (a local directory holding a weightstream
+    manifest is read with ``sharded-state``, which ``weightstream.open`` sees once it looks there).
 
     Object-store URIs (``s3://``, ``gs://``, ``http(s)://``) resolve to ``"streaming"``
     (bounded memory, completion order), local paths to ``"safetensors"``. Either reads one
@@ -81,9 +83,7 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
     try:
         if opts.cache is not None:
             store = _through_cache(store, opts)
-        # Through the node cache a remote checkpoint's bytes are local shared memory: the views of the
-        # safetensors loader beat streaming copies of them.
-        automatic = "safetensors" if isinstance(store, SharedMemory) else resolve_format(location)
+        automatic = _automatic_format(store, location)
         loader, opts = chosen or _checked_loader(automatic, opts, own)
         plan = loader.plan(store, location, opts)
         if not isinstance(plan, LoadPlan):
@@ -95,6 +95,20 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
         store.close()
         raise
     return Checkpoint(loader, store, plan, opts, time.perf_counter() - started)
+
+
+def _automatic_format(store: Store, location: str) -> str:
+    """What ``format="auto"`` reads ``location`` with: ``sharded-state`` for a local directory holding a
+    weightstream manifest (what ``convert`` and ``save_sharded_state`` write); else, through the node cache,
+    ``safetensors`` (a remote checkpoint's bytes are local shared memory there: views beat streaming copies);
+    else :func:`resolve_format`'s choice."""
+    if (
+        not location.startswith(REMOTE_SCHEMES)
+        and store.is_dir(location)
+        and any(name.startswith(MANIFEST_PREFIX) and name.endswith(".json") for name in store.list_names(location))
+    ):
+        return "sharded-state"
+    return "safetensors" if isinstance(store, SharedMemory) else resolve_format(location)
 
 
 def _through_cache(store: Store, opts: LoadOptions) -> Store:

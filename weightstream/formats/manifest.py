@@ -69,6 +69,10 @@ class Manifest:
     files: tuple[FileEntry, ...]
 
 
+MANIFEST_PREFIX = "weightstream-manifest-"
+"""How every rank's manifest file name starts."""
+
+
 def manifest_name(rank: Rank) -> str:
     """The manifest file of ``rank``.
 
@@ -76,7 +80,7 @@ def manifest_name(rank: Rank) -> str:
         >>> manifest_name(3), manifest_name((1, 0))
         ('weightstream-manifest-rank-3.json', 'weightstream-manifest-pp-1-tp-0.json')
     """
-    return f"weightstream-manifest-{_rank_label(rank)}.json"
+    return f"{MANIFEST_PREFIX}{_rank_label(rank)}.json"
 
 
 def saving_marker_name(rank: Rank) -> str:
