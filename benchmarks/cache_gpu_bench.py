@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from weightstream.arguments import parse_size
 from weightstream.bench.cache_daemon import daemon_process
 from weightstream.bench.demo import demo_checkpoint
-from weightstream.cli import parse_size
 
 LOAD = """
 import sys, time, json

@@ -18,8 +18,8 @@ import time
 import torch
 
 import weightstream
+from weightstream.arguments import parse_size
 from weightstream.bench.demo import demo_checkpoint
-from weightstream.cli import parse_size
 from weightstream.options import DEFAULT_INFLIGHT_BYTES
 
 

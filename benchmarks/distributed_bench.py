@@ -23,9 +23,9 @@ import subprocess
 import sys
 import tempfile
 
+from weightstream.arguments import parse_size
 from weightstream.bench.demo import demo_checkpoint
 from weightstream.bench.runner import prepare_cache
-from weightstream.cli import parse_size
 from weightstream.planning.discover import find_files
 from weightstream.sources.local.file import LocalStore
 

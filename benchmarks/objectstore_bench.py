@@ -95,8 +95,8 @@ def upload(endpoint: str, local: str, prefix: str) -> None:
 
 
 def main() -> int:
+    from weightstream.arguments import parse_size
     from weightstream.bench.demo import demo_checkpoint
-    from weightstream.cli import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=parse_size, default=2 << 30)

@@ -29,8 +29,8 @@ print(total / (time.perf_counter() - started) / 1e9)
 
 def main() -> int:
     from tests.objstore import oci_registry
+    from weightstream.arguments import parse_size
     from weightstream.bench.demo import demo_checkpoint
-    from weightstream.cli import parse_size
     from weightstream.save.push import push
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

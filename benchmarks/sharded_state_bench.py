@@ -18,9 +18,9 @@ import os
 import statistics
 import sys
 
+from weightstream.arguments import parse_size
 from weightstream.bench.demo import demo_checkpoint
 from weightstream.bench.runner import prepare_cache, run_worker
-from weightstream.cli import parse_size
 from weightstream.planning.discover import find_files
 from weightstream.save.convert import convert_to_sharded_state
 from weightstream.sources.local.file import LocalStore

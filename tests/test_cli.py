@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import raw_file, save_hf_sharded
-from weightstream.cli import parse_size
+from weightstream.arguments import parse_size
 
 
 def cli(*args: str, timeout: int = 600, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -16,46 +16,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import decimal
 import json
 import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
 
 import weightstream
+from weightstream.arguments import parse_rank, parse_size, positive
 from weightstream.errors import WeightstreamError
 from weightstream.nodecache.daemon.commands import add_cache_commands
 from weightstream.progress import ProgressBar
 from weightstream.terminal import printable
 
-MAX_SIZE = 1 << 62
 DEMO_BYTES = 1 << 30
 BENCH_DEVICES = ("cpu", "cuda")
 BENCH_CACHES = ("cold", "warm")
-SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-    "ki": 2**10,
-    "mi": 2**20,
-    "gi": 2**30,
-    "ti": 2**40,
-}
-
 
 LOG_ENVIRONMENT = "WEIGHTSTREAM_LOG"
 """The log level of the command (``debug``, ``info``, ``warning``, ``error``) when ``--log-level`` is not given."""
@@ -91,44 +68,6 @@ def _log_to_stderr(level: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
-
-
-def _positive(text: str) -> int:
-    """A whole number of 1 or more."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"not a whole number of 1 or more: {text[:40]!r}")
-    return int(text)
-
-
-def parse_rank(text: str) -> int | tuple[int, int]:
-    """A rank or world size: ``N``, or ``PP,TP`` for a pipeline-parallel sharded state.
-
-    Example:
-        >>> parse_rank("1"), parse_rank("0,3")
-        (1, (0, 3))
-    """
-    parts = text.split(",")
-    if len(parts) > 2 or not all(part.strip().isdigit() for part in parts):
-        raise argparse.ArgumentTypeError(f"not a rank: {text[:40]!r} (N, or PP,TP with pipeline parallelism)")
-    numbers = [int(part) for part in parts]
-    return numbers[0] if len(numbers) == 1 else (numbers[0], numbers[1])
-
-
-def parse_size(text: str) -> int:
-    """``"1GiB"`` -> 1073741824: decimal (``k``, ``M``, ``G``, ``T``, with or without ``B``) and binary units (``KiB``
-    ... ``TiB``, and Kubernetes' ``Ki`` ... ``Ti``), at most 2**62 bytes.
-
-    Example:
-        >>> parse_size("512MiB"), parse_size("2Gi"), parse_size("1T")
-        (536870912, 2147483648, 1000000000000)
-    """
-    match = re.fullmatch(r"\s*(\d{1,20}(?:\.\d{1,9})?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text[:40]!r} (examples: 1GiB, 512MiB, 4G, 2Ti)")
-    size = int(decimal.Decimal(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
-    if size > MAX_SIZE:
-        raise argparse.ArgumentTypeError(f"too large a size: {text[:40]!r} (at most {MAX_SIZE >> 60} EiB)")
-    return size
 
 
 def _rank_options(args: argparse.Namespace) -> dict[str, object]:
@@ -416,7 +355,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("src")
     convert.add_argument("dst")
     convert.add_argument("--to", required=True, help="the target format: sharded-state")
-    convert.add_argument("--tp", type=_positive, required=True, help="tensor-parallel ranks (1 or more)")
+    convert.add_argument("--tp", type=positive, required=True, help="tensor-parallel ranks (1 or more)")
     convert.add_argument(
         "--rule",
         action="append",
