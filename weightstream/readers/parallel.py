@@ -10,7 +10,9 @@ or because the consumer stopped iterating.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import torch
 
@@ -22,12 +24,14 @@ from weightstream.planning.plan import FileLayout, LoadPlan, layout_file
 from weightstream.readers.destination import Destination, Route
 from weightstream.readers.files import FileHandles
 from weightstream.readers.tasks import (
+    buffer_tensor,
     read_into_arena,
     start_readers,
     tensors_as_read,
     wants_huge_pages,
 )
-from weightstream.sources.base import Mapped, MappedBytes, SharedMemory, Store
+from weightstream.sources.base import Mapped, MappedBytes, SharedMemory, Source, Store
+from weightstream.workers import WorkerPool
 
 log = logger(__name__)
 
@@ -72,13 +76,12 @@ def read_tensors(
         # Dropping the arenas here (not when a traceback lets go of this frame) frees the memory at once.
         cleanup.callback(arenas.clear)
         readers, stop, futures = start_readers(cleanup, opts)
-        for file_number, (layout, source, arena) in enumerate(zip(layouts, sources, arenas, strict=True)):
-            for request_number, request in enumerate(layout.requests):
-                read = readers.submit(read_into_arena, source, request, arena, stop, opts)
-                futures[read] = (file_number, request_number)
+        _submit_reads(readers, layouts, sources, arenas, stop, opts, futures)
         # No variable of this frame may hold an arena itself (only the list the cleanup empties):
         # a traceback through it would keep the memory.
-        yield from tensors_as_read(layouts, futures, lambda file, tensor: _tensor(layouts[file], arenas[file], tensor))
+        yield from tensors_as_read(
+            layouts, futures, lambda file, tensor: buffer_tensor(layouts[file], arenas[file].bytes, tensor)
+        )
 
 
 def _mapped_tensors(
@@ -115,6 +118,17 @@ def _file_bytes(mapped: MappedBytes, device: torch.device) -> torch.Tensor:
     return mapped.bytes if device.type == "cpu" else mapped.device_bytes(device)  # type: ignore[attr-defined]
 
 
-def _tensor(layout: FileLayout, arena: HostArena, tensor_number: int) -> tuple[str, torch.Tensor]:
-    spec, offset = layout.tensor_offsets[tensor_number]
-    return spec.name, arena.tensor(offset, spec)
+def _submit_reads(
+    readers: WorkerPool,
+    layouts: list[FileLayout],
+    sources: list[Source],
+    arenas: list[HostArena],
+    stop: threading.Event,
+    opts: LoadOptions,
+    futures: dict[Future, tuple[int, int]],
+) -> None:
+    """Queue every request of every file; a function of its own so that no local of the reading generator's frame
+    holds an arena (a traceback through that frame would keep its memory)."""
+    for file_number, (layout, source, arena) in enumerate(zip(layouts, sources, arenas, strict=True)):
+        for request_number, request in enumerate(layout.requests):
+            futures[readers.submit(read_into_arena, source, request, arena, stop, opts)] = (file_number, request_number)
