@@ -40,7 +40,7 @@ run() {
     echo "cache gpu bench exit ${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
     # Warm and cold as separate runs, so that a timeout in one keeps the other's figures.
     for cache in warm cold; do
-        timeout 200 python3 -m weightstream.cli bench --device cuda --size 8GiB --shards 4 --rounds 2 --cache "$cache" \
+        timeout 200 python3 -m weightstream.cli bench --device cuda --size 8GiB --shards 4 --rounds 2 --page-cache "$cache" \
             --cache-dir /tmp/ws-cache --json 2>> "$OUT/bench.log" > "$OUT/bench-cuda-8gib-$cache.json"
         echo "bench $cache exit $?"
     done

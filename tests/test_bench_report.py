@@ -136,7 +136,7 @@ def test_the_cli_exits_non_zero_only_when_weightstream_failed(tmp_path, monkeypa
         str(checkpoint),
         "--methods",
         "weightstream,safetensors.load_file",
-        "--cache",
+        "--page-cache",
         "warm",
         "--rounds",
         "1",

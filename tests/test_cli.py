@@ -114,7 +114,8 @@ def test_bench_builds_the_demo_and_compares(tmp_path: Path):
     assert all(r["gbps_median"] > 0 and r["runs"] == 1 for r in report["results"])
     assert set(report["ratios"]["cold"]) == {"safetensors.load_file", "limit-read-reused"}
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "cache" / "demo-llama-1l-2s" / "model.safetensors.index.json").exists()
+    assert (tmp_path / "cache" / "demo-llama-2l-768h-500v-2s" / "model.safetensors.index.json").exists()
+    assert abs(report["total_bytes"] - (24 << 20)) <= (24 << 20) // 4, "--size was not honoured"
 
 
 @pytest.mark.slow
@@ -124,7 +125,7 @@ def test_every_cpu_method_whose_library_is_installed_runs(tmp_path: Path):
     from weightstream.bench.methods import METHODS, SHARDED_STATE_METHODS
 
     methods = sorted(set(METHODS) - SHARDED_STATE_METHODS)
-    report = demo_bench(tmp_path, "--size", "8MiB", "--cache", "warm", "--methods", ",".join(methods))
+    report = demo_bench(tmp_path, "--size", "8MiB", "--page-cache", "warm", "--methods", ",".join(methods))
     assert report["failed"] == {}
     ran = {row["method"] for row in report["results"] if "skipped" not in row}
     assert {"weightstream", "safetensors.load_file", "safetensors.safe_open"} <= ran
@@ -137,14 +138,14 @@ def test_bench_layered_on_a_demo_of_so_many_layers(tmp_path: Path):
         "24MiB",
         "--layers",
         "4",
-        "--cache",
+        "--page-cache",
         "warm",
         "--methods",
         "weightstream,weightstream-layered",
     )
     assert {r["method"] for r in report["results"]} == {"weightstream", "weightstream-layered"}
     assert all(r["gbps_median"] > 0 for r in report["results"])
-    assert [path.name for path in (tmp_path / "cache").iterdir()] == ["demo-llama-4l-256h-2s"]
+    assert [path.name for path in (tmp_path / "cache").iterdir()] == ["demo-llama-4l-512h-500v-2s"]
 
 
 @pytest.mark.slow
@@ -199,7 +200,7 @@ def test_load_and_bench_on_the_gpu(checkpoint: Path, tiny_state, tmp_path: Path)
         "cuda",
         "--rounds",
         "1",
-        "--cache",
+        "--page-cache",
         "warm",
         "--methods",
         "weightstream,safetensors.load_file,limit-h2d-pinned",
@@ -310,11 +311,12 @@ def test_an_abbreviated_option_is_refused_not_guessed(checkpoint: Path):
 
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
     from weightstream import cli as command_line
+    from weightstream.cli import reading
 
     def interrupted(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(command_line, "_inspect", interrupted)
+    monkeypatch.setattr(reading, "_inspect", interrupted)
     assert command_line.main(["inspect", "anything"]) == 130
     assert capsys.readouterr().err == "weightstream: interrupted\n"
 

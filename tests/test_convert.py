@@ -145,7 +145,7 @@ def test_the_cli_converts_and_reports(tmp_path: Path):
         timeout=120,
         check=False,
     )
-    assert refused.returncode == 1 and "the one conversion is to sharded-state" in refused.stderr
+    assert refused.returncode == 2 and "argument --to: invalid choice: 'layered'" in refused.stderr
     for rank in ("0", "1"):
         loaded = subprocess.run(
             [

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from weightstream.errors import InvalidOptionError
 from weightstream.formats.index import INDEX_NAME
 from weightstream.save.write import write_safetensors
 
@@ -56,23 +57,52 @@ class LlamaShape:
     @classmethod
     def of_size(cls, target_bytes: int, dtype: torch.dtype = torch.bfloat16, layers: int | None = None) -> LlamaShape:
         """The shape closest to ``target_bytes``: 2048 wide with as many layers as it takes, or, given
-        ``layers``, that many layers as wide (in steps of 256, the MLP 2.75x as wide) as it takes.
+        ``layers``, that many layers as wide (in steps of 256, the MLP 2.75x as wide) as it takes. Below one layer
+        of 2048 (0.33 GiB), narrower (down to 64) with two layers, and with a smaller vocabulary where Llama's
+        cannot come within 10%.
+
+        Raises:
+            InvalidOptionError: no shape is within 25% of ``target_bytes``.
 
         Example:
             >>> LlamaShape.of_size(1 << 30).layers
             9
             >>> LlamaShape.of_size(2 << 30, layers=16).hidden
             2304
+            >>> small = LlamaShape.of_size(64 << 20)
+            >>> (small.hidden, small.layers, small.vocab), round(small.nbytes() / 2**20)
+            ((1024, 2, 4000), 59)
         """
-        if layers is None:
+        if layers is None and target_bytes >= cls(layers=1).nbytes(dtype):
             base = cls(layers=0).nbytes(dtype)
             per_layer = cls(layers=1).nbytes(dtype) - base
             return cls(layers=max(1, round((target_bytes - base) / per_layer)))
-        widths = [
-            cls(hidden=hidden, intermediate=round(hidden * 2.75 / 256) * 256, layers=layers)
-            for hidden in range(256, 16385, 256)
-        ]
-        return min(widths, key=lambda shape: abs(shape.nbytes(dtype) - target_bytes))
+        hiddens = (64, 128, *range(256, 16385, 256))
+        closest = []
+        for vocab in (32000, 4000, 500):  # Llama's vocabulary where a shape with it is within 10%
+            shapes = [cls(hidden, max(256, round(hidden * 2.75 / 256) * 256), layers or 2, vocab) for hidden in hiddens]
+            closest.append(min(shapes, key=lambda shape: abs(shape.nbytes(dtype) - target_bytes)))
+            if abs(closest[-1].nbytes(dtype) - target_bytes) <= target_bytes / 10:
+                return closest[-1]
+        closest = min(closest, key=lambda shape: abs(shape.nbytes(dtype) - target_bytes))
+        if abs(closest.nbytes(dtype) - target_bytes) > target_bytes / 4:
+            raise InvalidOptionError(
+                f"a demo checkpoint of {target_bytes} bytes{f' with {layers} layers' if layers else ''}: the closest "
+                f"Llama shape holds {closest.nbytes(dtype)} bytes (more than 25% off); ask for another size"
+                + (" or another number of layers" if layers else "")
+            )
+        return closest
+
+    def directory_name(self, shards: int) -> str:
+        """The demo cache's name for this shape in ``shards`` files (what differs from the defaults in it).
+
+        Example:
+            >>> LlamaShape(layers=9).directory_name(2), LlamaShape(hidden=64, layers=2, vocab=500).directory_name(1)
+            ('demo-llama-9l-2s', 'demo-llama-2l-64h-500v-1s')
+        """
+        width = "" if self.hidden == LlamaShape.hidden else f"{self.hidden}h-"
+        vocabulary = "" if self.vocab == LlamaShape.vocab else f"{self.vocab}v-"
+        return f"demo-llama-{self.layers}l-{width}{vocabulary}{shards}s"
 
 
 def llama_state_dict(shape: LlamaShape, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -114,8 +144,11 @@ def write_sharded(state_dict: dict[str, torch.Tensor], directory: str | os.PathL
 def demo_checkpoint(
     size_bytes: int = GIB, shards: int = 2, cache_dir: str | None = None, layers: int | None = None
 ) -> str:
-    """The path of a cached demo checkpoint of about ``size_bytes`` (with ``layers`` layers if given), built on
-    first use.
+    """The path of a cached demo checkpoint of ``size_bytes`` within 25% (with ``layers`` layers if given), built
+    on first use.
+
+    Raises:
+        InvalidOptionError: no Llama shape is that size.
 
     Example:
         >>> path = demo_checkpoint(256 << 20)  # doctest: +SKIP
@@ -124,8 +157,7 @@ def demo_checkpoint(
         "WEIGHTSTREAM_DEMO_DIR", os.path.join(os.path.expanduser("~"), ".cache", "weightstream")
     )
     shape = LlamaShape.of_size(size_bytes, layers=layers)
-    width = "" if shape.hidden == LlamaShape.hidden else f"{shape.hidden}h-"
-    target = os.path.join(cache_dir, f"demo-llama-{shape.layers}l-{width}{shards}s")
+    target = os.path.join(cache_dir, shape.directory_name(shards))
     if os.path.exists(os.path.join(target, INDEX_NAME)):
         return target
     os.makedirs(cache_dir, exist_ok=True)
