@@ -149,3 +149,21 @@ def test_the_cli_exits_non_zero_only_when_weightstream_failed(tmp_path, monkeypa
         "weightstream: error: weightstream (warm) failed: benchmark of weightstream failed (exit 1): boom"
         in capsys.readouterr().err
     )
+
+
+def test_the_table_says_which_methods_map_instead_of_owning(tmp_path):
+    rows = [
+        Row("weightstream", "warm", "cpu", [run(2.0)]),
+        Row("safetensors.load_file", "warm", "cpu", [run(1.0)]),
+    ]
+    report = BenchReport("/ckpt", ["/ckpt/a.safetensors"], 8 * GIB, 1, rows, {}, "cpu")
+    lines = format_table(report).splitlines()
+    assert "memory" in lines[1]
+    assert next(line for line in lines if " weightstream " in line).split()[2] == "owned"
+    assert next(line for line in lines if "safetensors.load_file" in line).split()[2] == "mapped"
+    assert lines[-1].startswith("memory 'mapped': views of the page cache")
+    assert [r["memory"] for r in report.to_json()["results"]] == ["owned", "mapped"]
+    plot(report.to_json(), str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    only_owned = BenchReport("/ckpt", ["/ckpt/a.safetensors"], 8 * GIB, 1, rows[:1], {}, "cpu")
+    assert "mapped" not in format_table(only_owned)

@@ -220,6 +220,25 @@ METHODS_BY_DEVICE = {"cpu": METHODS, "cuda": CUDA_METHODS}
 NODE_CACHE_METHODS = frozenset({"weightstream-node-cache"})
 """Methods that read through a cache daemon, which the bench starts (and fills) for them."""
 
+MAPPED_METHODS = frozenset(
+    {"safetensors.load_file", "safetensors.safe_open", "weightstream-zero-copy", "weightstream-node-cache"}
+)
+"""CPU methods whose tensors are views of a mapping (the file's page cache, the cache daemon's shared memory), not
+memory of the process's own: warm, they measure mapping pages, not copying bytes."""
+
+
+def memory_of(method: str, device: str = "cpu") -> str:
+    """Where ``method``'s tensors live: ``device``, ``mapped`` (views of shared pages) or ``owned``.
+
+    Example:
+        >>> memory_of("safetensors.load_file"), memory_of("weightstream"), memory_of("weightstream", "cuda")
+        ('mapped', 'owned', 'device')
+    """
+    if device != "cpu":
+        return "device"
+    return "mapped" if method in MAPPED_METHODS else "owned"
+
+
 SHARDED_STATE_METHODS = frozenset({"weightstream-rank0", "weightstream-rank0-verify"})
 """Methods that read a sharded-state directory (benchmarks/sharded_state_bench.py): run only when named."""
 

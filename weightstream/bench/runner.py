@@ -17,7 +17,13 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
-from weightstream.bench.methods import METHODS_BY_DEVICE, NODE_CACHE_METHODS, SHARDED_STATE_METHODS, missing_module
+from weightstream.bench.methods import (
+    METHODS_BY_DEVICE,
+    NODE_CACHE_METHODS,
+    SHARDED_STATE_METHODS,
+    memory_of,
+    missing_module,
+)
 from weightstream.bench.remote_methods import REMOTE_METHODS, remote_skip_reason
 from weightstream.bench.worker import REMOTE, file_sizes
 from weightstream.errors import BenchmarkError, CacheError, DeviceUnavailableError, InvalidOptionError
@@ -64,6 +70,7 @@ class Row:
         return {
             "method": self.method,
             "cache": self.cache,
+            "memory": memory_of(self.method, self.device),
             "gbps_median": statistics.median(self.gbps),
             "gbps_min": min(self.gbps),
             "gbps_max": max(self.gbps),
@@ -242,7 +249,7 @@ def format_table(report: BenchReport) -> str:
             f"{report.device}, "
             f"{report.rounds} interleaved rounds, each run a fresh process; medians (min-max)"
         ),
-        f"{'cache':5s} {'method':24s} {'GB/s':>22s} {'first tensor':>13s} {'peak RSS +':>11s} "
+        f"{'cache':5s} {'method':24s} {'memory':6s} {'GB/s':>22s} {'first tensor':>13s} {'peak RSS +':>11s} "
         + (f"{'GPU +':>9s} {'pinned':>9s} " if on_gpu else "")
         + f"{'ws ratio':>9s}",
     ]
@@ -258,7 +265,7 @@ def format_table(report: BenchReport) -> str:
         first = summary["first_tensor_seconds_median"]
         ratio = table_ratios.get(row.cache, {}).get(row.method)
         lines.append(
-            f"{row.cache:5s} {row.method:24s} {summary['gbps_median']:7.2f} "
+            f"{row.cache:5s} {row.method:24s} {summary['memory']:6s} {summary['gbps_median']:7.2f} "
             f"({summary['gbps_min']:5.2f}-{summary['gbps_max']:5.2f}) "
             f"{(f'{first * 1000:9.0f} ms' if first is not None else '        n/a'):>13s} "
             f"{summary['peak_rss_above_baseline_median'] / 2**20:8.0f} MiB "
@@ -270,11 +277,17 @@ def format_table(report: BenchReport) -> str:
             )
             + f"{(f'{ratio:8.2f}x' if ratio is not None else ''):>9s}"
         )
+    if any(row.summary().get("memory") == "mapped" for row in report.rows):
+        lines.append(
+            "memory 'mapped': views of the page cache (or the cache daemon's shared memory), no copy made; warm, "
+            "such a run maps pages while an 'owned' one copies every byte into memory of its own"
+        )
     return "\n".join(lines)
 
 
 def plot(summary: dict, path: str) -> None:
-    """A bar chart (log scale) of median GB/s per method and cache state, from ``BenchReport.to_json()``."""
+    """A bar chart (linear axis) of median GB/s per method and cache state, from ``BenchReport.to_json()``; a method
+    whose tensors are views of a mapping is labelled so."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -296,9 +309,10 @@ def plot(summary: dict, path: str) -> None:
             label=f"{cache} cache" if cache == SERVER_CACHE else f"{cache} page cache",
         )
         axes.bar_label(bars, fmt="%.2f", fontsize=7)
-    axes.set_yscale("log")
-    axes.set_xticks([i + width * (len(caches) - 1) / 2 for i in range(len(methods))], methods, rotation=20, ha="right")
-    axes.set_ylabel("GB/s to all tensors materialised (median, log)")
+    mapped = {r["method"] for r in results if r.get("memory") == "mapped"}
+    labels = [f"{m} (mapped)" if m in mapped else m for m in methods]
+    axes.set_xticks([i + width * (len(caches) - 1) / 2 for i in range(len(methods))], labels, rotation=20, ha="right")
+    axes.set_ylabel("GB/s to all tensors materialised (median)")
     axes.set_title(f"{summary['total_bytes'] / 2**30:.2f} GiB checkpoint, {summary['rounds']} interleaved rounds")
     axes.legend()
     figure.tight_layout()
