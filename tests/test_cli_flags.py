@@ -121,7 +121,7 @@ def test_storage_options_reach_the_source(checkpoint: Path, tmp_path: Path):
 
 
 def test_key_values_are_json_where_they_are_json():
-    from weightstream.cli.reading import _key_value
+    from weightstream.arguments import storage_option as _key_value
 
     assert _key_value("anon=true") == ("anon", True)
     assert _key_value("endpoint_url=http://localhost:8333") == ("endpoint_url", "http://localhost:8333")

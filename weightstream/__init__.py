@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from weightstream.checkpoint.calls import iter_layers, iter_weights, load_weights
     from weightstream.checkpoint.handle import Checkpoint, CheckpointStats
     from weightstream.checkpoint.models import page_cache_residency, resolve_model
+    from weightstream.checkpoint.node_cache import NodeCache
     from weightstream.checkpoint.opening import open, resolve_format
     from weightstream.checkpoint.slices import TensorSlice
     from weightstream.options import LoadOptions
@@ -69,6 +70,7 @@ _IMPORTED_ON_USE = {
     "CheckpointStats": "weightstream.checkpoint.handle",
     "DistributedStats": "weightstream.readers.distributed",
     "LoadOptions": "weightstream.options",
+    "NodeCache": "weightstream.checkpoint.node_cache",
     "TensorSlice": "weightstream.checkpoint.slices",
     "available_loaders": "weightstream.registry",
     "iter_layers": _API,
@@ -126,6 +128,7 @@ __all__ = [
     "LoaderRegistrationError",
     "ManifestError",
     "MissingDependencyError",
+    "NodeCache",
     "NotFound",
     "OptionError",
     "PeerError",

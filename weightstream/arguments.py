@@ -1,11 +1,15 @@
-"""The command line's argument types: sizes (``1GiB``, ``512MiB``, ``2Ti``), ranks (``N`` or ``PP,TP``) and whole
-numbers, each an ``argparse`` type that answers a bad value with a usage error naming it."""
+"""The command line's argument types: sizes (``1GiB``, ``512MiB``, ``2Ti``), ranks (``N`` or ``PP,TP``), whole
+numbers and storage options (``KEY=VALUE``), each an ``argparse`` type that answers a bad value with a usage error
+naming it; and the storage options' flags, which every command reading a checkpoint takes."""
 
 from __future__ import annotations
 
 import argparse
 import decimal
+import json
 import re
+
+from weightstream.errors import InvalidOptionError
 
 MAX_SIZE = 1 << 62
 SIZE_UNITS = {
@@ -66,3 +70,57 @@ def parse_size(text: str) -> int:
     if size > MAX_SIZE:
         raise argparse.ArgumentTypeError(f"too large a size: {text[:40]!r} (at most {MAX_SIZE >> 60} EiB)")
     return size
+
+
+def storage_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE``, the value read as JSON where it is JSON (``true``, ``3``, ``{"a": 1}``, ``"123"``), else text.
+
+    Example:
+        >>> storage_option("anon=true"), storage_option("endpoint_url=http://127.0.0.1:8333")
+        (('anon', True), ('endpoint_url', 'http://127.0.0.1:8333'))
+    """
+    key, equals, value = text.partition("=")
+    if not equals or not key.strip():
+        raise argparse.ArgumentTypeError(f"not KEY=VALUE: {text[:60]!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
+
+
+def add_storage_arguments(command: argparse.ArgumentParser) -> None:
+    """``--storage-option KEY=VALUE`` (repeatable) and ``--storage-options-file JSON``."""
+    command.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        type=storage_option,
+        metavar="KEY=VALUE",
+        help="a setting of the source (endpoint_url=..., anon=true, region=...); VALUE is read as JSON where it "
+        "is JSON, else as text; repeatable",
+    )
+    command.add_argument(
+        "--storage-options-file", default=None, metavar="JSON", help="storage options from a JSON object in a file"
+    )
+
+
+def storage_options(pairs: list[tuple[str, object]], path: str | None) -> dict[str, object]:
+    """The object in the JSON file at ``path`` (if any) updated by ``pairs`` (``--storage-option``'s).
+
+    Raises:
+        InvalidOptionError: the file cannot be read, is no JSON, or holds no object.
+    """
+    options: dict[str, object] = {}
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as file:
+                loaded = json.load(file)
+        except (OSError, ValueError) as error:
+            raise InvalidOptionError(f"--storage-options-file {path}: {error}") from None
+        if not isinstance(loaded, dict):
+            raise InvalidOptionError(
+                f"--storage-options-file {path}: holds a JSON {type(loaded).__name__}, not an object of settings"
+            )
+        options.update(loaded)
+    options.update(dict(pairs))
+    return options

@@ -11,7 +11,7 @@ import sys
 import time
 
 import weightstream
-from weightstream.arguments import parse_rank, positive
+from weightstream.arguments import add_storage_arguments, parse_rank, positive, storage_options
 from weightstream.errors import InvalidOptionError
 from weightstream.progress import ProgressBar
 from weightstream.terminal import printable
@@ -81,53 +81,13 @@ def add_source_arguments(command: argparse.ArgumentParser) -> None:
         default="auto",
         help=f"how to read it: auto (default), {', '.join(BUILT_IN_FORMATS)}, or a plugin's name",
     )
-    command.add_argument(
-        "--storage-option",
-        action="append",
-        default=[],
-        type=_key_value,
-        metavar="KEY=VALUE",
-        help="a setting of the source (endpoint_url=..., anon=true, region=...); VALUE is read as JSON where it "
-        "is JSON, else as text; repeatable",
-    )
-    command.add_argument(
-        "--storage-options-file", default=None, metavar="JSON", help="storage options from a JSON object in a file"
-    )
-
-
-def storage_options(args: argparse.Namespace) -> dict[str, object]:
-    """``--storage-options-file``'s object updated by each ``--storage-option``."""
-    options: dict[str, object] = {}
-    if args.storage_options_file is not None:
-        try:
-            with open(args.storage_options_file, encoding="utf-8") as file:
-                loaded = json.load(file)
-        except (OSError, ValueError) as error:
-            raise InvalidOptionError(f"--storage-options-file {args.storage_options_file}: {error}") from None
-        if not isinstance(loaded, dict):
-            raise InvalidOptionError(
-                f"--storage-options-file {args.storage_options_file}: holds a JSON {type(loaded).__name__}, "
-                "not an object of settings"
-            )
-        options.update(loaded)
-    options.update(dict(args.storage_option))
-    return options
+    add_storage_arguments(command)
 
 
 def source_options(args: argparse.Namespace) -> dict[str, object]:
     """The options of ``weightstream.open`` that the source arguments set."""
-    found = storage_options(args)
+    found = storage_options(args.storage_option, args.storage_options_file)
     return {"storage_options": found} if found else {}
-
-
-def _key_value(text: str) -> tuple[str, object]:
-    key, equals, value = text.partition("=")
-    if not equals or not key.strip():
-        raise argparse.ArgumentTypeError(f"not KEY=VALUE: {text[:60]!r}")
-    try:
-        return key.strip(), json.loads(value)
-    except ValueError:
-        return key.strip(), value
 
 
 def _auto(text: str) -> str:

@@ -10,21 +10,20 @@ import logging
 import math
 import os
 import sys
-import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from weightstream.errors import CacheConfigError, CacheError, DeviceUnavailableError, redact
-from weightstream.nodecache.connection import ENVIRONMENT, CacheClient, daemon_uri, default_socket, resolve_socket
+from weightstream.arguments import add_storage_arguments, storage_options
+from weightstream.errors import CacheConfigError, CacheError, redact
+from weightstream.nodecache.connection import ENVIRONMENT, default_socket, resolve_socket
 from weightstream.nodecache.daemon.directory import default_directory
 from weightstream.nodecache.daemon.endpoint import socket_directory
 from weightstream.nodecache.daemon.limits import clamp_budget
-from weightstream.nodecache.daemon.references import KEY
-from weightstream.nodecache.protocol import close_all
 from weightstream.progress import ProgressBar
 from weightstream.terminal import printable
 
-STOP_WAIT_S = 120.0
-"""How long ``cache stop --wait`` waits (the daemon gives fills ``--stop-timeout``, 30 s by default)."""
+if TYPE_CHECKING:
+    from weightstream.checkpoint.node_cache import NodeCache
 
 
 def add_cache_commands(
@@ -96,8 +95,11 @@ def add_cache_commands(
     prefetch = actions.add_parser(
         "prefetch", allow_abbrev=False, help="fill the cache with a checkpoint before its engine starts"
     )
-    prefetch.add_argument("uri")
-    prefetch.add_argument("--format", default="auto")
+    prefetch.add_argument(
+        "uri", help="the checkpoint: a path, or an s3://, gs://, az://, http(s)://, oci://, hf:// URI"
+    )
+    prefetch.add_argument("--format", default="auto", help="how to read it (default auto)")
+    add_storage_arguments(prefetch)
     prefetch.add_argument(
         "--device",
         default=None,
@@ -158,17 +160,20 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
+def _cache(args: argparse.Namespace) -> NodeCache:
+    import weightstream  # the API: not for `--help`
+
+    return weightstream.NodeCache(args.socket or "auto")
+
+
 def _simple(args: argparse.Namespace) -> int:
-    message: dict[str, object] = {"op": args.op}
+    cache = _cache(args)
     if args.op == "evict":
         if args.entry is None and not args.all:
             raise CacheError("evict: name a KEY or a URI, or pass --all for every entry no process uses")
-        if args.entry is not None:
-            is_key = KEY.match(args.entry) is not None
-            message["key" if is_key else "uri"] = args.entry if is_key else daemon_uri(args.entry)
-        else:
-            message["all"] = True
-    answer = _ask(args, message)
+        answer = cache.evict(args.entry, all=args.all and args.entry is None)
+    else:
+        answer = cache.stats() if args.op == "stats" else {"entries": cache.ls()}
     if args.json:
         print(json.dumps(answer))
     elif args.op == "ls":
@@ -179,18 +184,6 @@ def _simple(args: argparse.Namespace) -> int:
     else:
         print("\n".join(f"{key}: {printable(str(value))}" for key, value in answer.items()))
     return 0
-
-
-def _ask(args: argparse.Namespace, message: dict[str, object]) -> dict[str, object]:
-    """The daemon's answer to ``message``, less its ``ok``."""
-    client = CacheClient(_socket(args))
-    try:
-        answer, fds = client.request(message)
-        close_all(fds)
-    finally:
-        client.close()
-    answer.pop("ok", None)
-    return answer
 
 
 def _table(entries: list[dict[str, object]]) -> str:
@@ -213,69 +206,30 @@ def _table(entries: list[dict[str, object]]) -> str:
 
 def _stop(args: argparse.Namespace) -> int:
     """``cache stop [--wait]``."""
-    path = _socket(args)
-    answer = _ask(args, {"op": "stop"})
-    if args.wait:
-        deadline = time.monotonic() + STOP_WAIT_S
-        while os.path.exists(path):
-            if time.monotonic() > deadline:
-                raise CacheError(f"the cache daemon at {path} did not stop within {STOP_WAIT_S:.0f} s")
-            time.sleep(0.05)
-        answer["stopped"] = True
+    answer = _cache(args).stop(wait=args.wait)
     print(json.dumps(answer) if args.json else ("stopped" if args.wait else "stopping"))
     return 0
 
 
 def _prefetch(args: argparse.Namespace) -> int:
-    import weightstream
-
-    with weightstream.open(args.uri, args.format, filter=()) as planned:
-        files = [(spec.path, spec.size) for spec in planned.plan.files]
-    total = sum(size for _, size in files)
     bar = ProgressBar(label="prefetch") if sys.stderr.isatty() and not args.json else None
-    client = CacheClient(_socket(args))
-    keys = []
-    gpus: object = []
-    try:
-        # A node warmed by halves is cold: the whole checkpoint must fit before any file is filled (or evicts one).
-        client.request({"op": "room", "bytes": total, "uri": daemon_uri(args.uri)})
-        with contextlib.nullcontext() if bar is None else bar.expecting(total):
-            for path, size in files:
-                answer, fds = client.attach(path)
-                close_all(fds)
-                keys.append(answer["key"])
-                gpus = answer.get("gpus")
-                if bar is not None:
-                    bar.advance(size)
-    finally:
-        client.close()
-    if args.device is not None:
-        _prefetch_device(args, gpus)
-    uri = redact(args.uri)
-    result = {"uri": uri, "files": len(files), "bytes": total, "keys": keys, "device": args.device}
-    said = f"cached {len(files)} files, {total / 2**30:.3f} GiB of {printable(uri)}"
+
+    def advance(nbytes: int, total: int) -> None:
+        bar.total = total  # type: ignore[union-attr]
+        bar.advance(nbytes)  # type: ignore[union-attr]
+
+    options = storage_options(args.storage_option, args.storage_options_file)
+    with contextlib.nullcontext() if bar is None else bar.expecting(0):
+        result = _cache(args).prefetch(
+            args.uri,
+            args.format,
+            device=args.device,
+            storage_options=options or None,
+            progress=None if bar is None else advance,
+        )
+    said = f"cached {result['files']} files, {int(result['bytes']) / 2**30:.3f} GiB of {printable(str(result['uri']))}"
     print(json.dumps(result) if args.json else said)
     return 0
-
-
-def _prefetch_device(args: argparse.Namespace, gpus: object) -> None:
-    """Have the daemon copy the checkpoint to ``args.device``: opening it through the cache for that GPU attaches
-    every file with its device copy (made on the first request)."""
-    import torch
-
-    import weightstream
-    from weightstream.nodecache.vmm import gpu_uuid
-
-    device = torch.device(args.device)
-    if device.type != "cuda":
-        raise DeviceUnavailableError(f"--device {args.device!r}: name a GPU as cuda:N")
-    uuid = gpu_uuid(device.index if device.index is not None else 0)
-    if not isinstance(gpus, list) or uuid not in gpus:
-        raise CacheError(
-            f"the cache daemon keeps no device copies on {args.device} ({uuid}); it serves {gpus or 'none'}"
-        )
-    with weightstream.open(args.uri, args.format, filter=(), cache=_socket(args), device=args.device):
-        pass
 
 
 def run_daemon(
