@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 from weightstream.errors import InvalidOptionError, NotFound, SourceError
 from weightstream.sources.dependencies import require
 from weightstream.sources.http.transport import RangeTarget
+from weightstream.sources.objects.hosts import check_endpoint
 from weightstream.sources.objects.listing import ListedStore
 from weightstream.sources.objects.versioned import RangeSource, known_options
 from weightstream.sources.retry import RetryPolicy, Transient
@@ -151,6 +152,7 @@ class AzureStore(ListedStore):
 
         options = known_options("az", storage_options, STORAGE_OPTIONS)
         self.account = AzureAccount.from_options(options)
+        check_endpoint("az", self.account.endpoint)
         # A filesystem of our own per store (not fsspec's shared instance), so that closing the store closes
         # its connections: nothing of a load outlives it.
         self.fs = fsspec.filesystem("az", **self.account.filesystem_options(), skip_instance_cache=True)

@@ -18,6 +18,7 @@ from typing import Any
 from weightstream.errors import NotFound, SourceError
 from weightstream.sources.dependencies import require
 from weightstream.sources.http.transport import RangeTarget
+from weightstream.sources.objects.hosts import check_endpoint
 from weightstream.sources.objects.listing import ListedStore
 from weightstream.sources.objects.versioned import RangeSource
 from weightstream.sources.retry import RetryPolicy, Transient
@@ -43,6 +44,8 @@ class GcsStore(ListedStore):
 
         # gcsfs 2025+ probes the bucket type over gRPC unless told not to; against emulators every call then hangs.
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        # Before the filesystem: gcsfs looks for default credentials first (the metadata server, for seconds).
+        check_endpoint("gs", _endpoint(storage_options or {}))
         # A filesystem of our own per store (not fsspec's shared instance), so that closing the store
         # closes its connections: nothing of a load outlives it. Version-aware, so reads can pin a generation.
         self.fs = fsspec.filesystem(
@@ -78,6 +81,22 @@ class GcsStore(ListedStore):
 
     def _classify(self, uri: str, error: Exception) -> Exception:
         return classify(uri, error, self.policy.timeout())
+
+
+def _endpoint(storage_options: Mapping[str, Any]) -> str:
+    """The URL gcsfs will send requests to: ``endpoint_url``, else the emulator ``$STORAGE_EMULATOR_HOST`` names,
+    else Google's (``gcsfs.core._location``'s rules, without its import).
+
+    Example:
+        >>> _endpoint({"endpoint_url": "http://127.0.0.1:4443"})
+        'http://127.0.0.1:4443'
+    """
+    if storage_options.get("endpoint_url"):
+        return str(storage_options["endpoint_url"])
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if emulator not in ("", "default"):
+        return emulator if emulator.startswith(("http://", "https://")) else f"http://{emulator}"
+    return f"https://storage.{os.environ.get('GOOGLE_CLOUD_UNIVERSE_DOMAIN') or 'googleapis.com'}"
 
 
 def classify(uri: str, error: Exception, timeout: float) -> Exception:

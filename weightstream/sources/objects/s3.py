@@ -21,6 +21,7 @@ from typing import Any
 from weightstream.errors import InvalidOptionError, NotFound, SourceError
 from weightstream.sources.dependencies import require
 from weightstream.sources.http.transport import RangeTarget
+from weightstream.sources.objects.hosts import check_endpoint
 from weightstream.sources.objects.versioned import RangeSource, RemoteStore, known_options
 from weightstream.sources.retry import RetryPolicy, Transient
 
@@ -73,6 +74,7 @@ class S3Store(RemoteStore):
         options = known_options("s3", storage_options, STORAGE_OPTIONS)
         super().__init__(policy)
         self.client = _client(options, self.policy)
+        check_endpoint("s3", self.client.meta.endpoint_url)
         self._presigned: dict[str, tuple[str, float]] = {}
         self._presigning = threading.Lock()
         self._listed: dict[str, dict[str, Any]] = {}
