@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import weightstream
 from weightstream.arguments import parse_size
 from weightstream.cli.benching import BENCH_CACHES, BENCH_DEVICES, add_bench_command
+from weightstream.cli.doctor import add_doctor_command
 from weightstream.cli.reading import add_reading_commands
 from weightstream.cli.wording import in_flags
 from weightstream.cli.writing import add_writing_commands
@@ -79,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     add_reading_commands(commands)
     add_bench_command(commands)
     add_writing_commands(commands)
+    add_doctor_command(commands)
     add_cache_commands(commands, parse_size)
     _know_own_parser(parser)
     return parser
