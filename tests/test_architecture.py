@@ -33,6 +33,7 @@ FLOORS: dict[str, int] = {
     "registry": 7,
     "checkpoint": 8,
     "options_table": 8,
+    "errors_table": 1,
     "weightstream": 9,
     "save": 10,
     "engines": 11,

@@ -97,7 +97,7 @@ class LoadOptions:
 
     huge_pages: bool | Auto = "auto"
     """Ask for transparent huge pages on the destination memory: ``True``, ``False``, or ``"auto"``
-    (default: for files read directly). On these VMs huge pages come host-cold and are slower to
+    (default: for files read directly). On virtual machines huge pages can come host-cold and are slower to
     fault in than recycled 4 KiB pages, but a direct read pins and fills them faster."""
 
     prefault: bool = True
@@ -113,7 +113,7 @@ class LoadOptions:
     On a GPU, ``True`` (with ``cache=``) gives read-only views of the cache daemon's device copies."""
 
     cache: str | None = None
-    """The node weight cache to read through (see the README's "Node weight cache"): the daemon's socket
+    """The node weight cache to read through (docs/node-cache.md): the daemon's socket
     path, or ``"auto"`` (``$WEIGHTSTREAM_CACHE`` or the default socket, if a daemon listens there; else
     the source is read directly: logged at DEBUG where no socket exists, at INFO otherwise, e.g. a stale
     socket). An explicit socket without a daemon raises ``CacheUnavailableError``. Default ``None``: no

@@ -31,7 +31,7 @@ def iter_weights(
         format: a registered format name, or ``"auto"`` (see :func:`resolve_format`).
         **options: the core options (fields of :class:`weightstream.LoadOptions`: ``device``, ``threads``,
             ``chunk_bytes``, ``filter``, ...) and the loader's own (``max_inflight_bytes`` of ``streaming``, ...);
-            the README's options table lists them all.
+            docs/api.md's options table lists them all.
 
     Raises:
         OptionError: an unknown option, before any I/O.
