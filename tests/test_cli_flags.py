@@ -143,3 +143,31 @@ def test_bench_page_cache_is_not_the_node_cache(tmp_path: Path):
     """``--cache`` means the node cache daemon wherever it is taken; bench's page-cache states are ``--page-cache``."""
     result = cli("bench", "--cache", "warm", "--cache-dir", str(tmp_path))
     assert result.returncode == 2 and "weightstream bench: error: unrecognized arguments: --cache" in result.stderr
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    import argparse
+
+    from weightstream.cli import _parser
+
+    silent = []
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, command in action.choices.items():
+                    walk(command, [*path, name])
+            elif not action.help:
+                silent.append(" ".join([*path, *(action.option_strings or [action.dest])]))
+
+    walk(_parser(), ["weightstream"])
+    assert silent == []
+    load_help = _parser()._subparsers._group_actions[0].choices["load"].format_help()  # type: ignore[union-attr]
+    assert "auto (default), safetensors, streaming, layered, sharded-state, distributed" in " ".join(load_help.split())
+
+
+def test_the_formats_help_lists_are_the_registry():
+    from weightstream.cli.reading import BUILT_IN_FORMATS
+    from weightstream.registry import BUILTIN_LOADERS
+
+    assert BUILT_IN_FORMATS == tuple(BUILTIN_LOADERS)

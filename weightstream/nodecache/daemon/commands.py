@@ -88,7 +88,9 @@ def add_cache_commands(
     evict = actions.add_parser(
         "evict", allow_abbrev=False, help="remove entries no process uses: by key, by URI (a file or a directory)"
     )
-    evict.add_argument("entry", nargs="?", default=None, metavar="KEY|URI")
+    evict.add_argument(
+        "entry", nargs="?", default=None, metavar="KEY|URI", help="an entry's key, or a file or directory it caches"
+    )
     evict.add_argument("--all", action="store_true", help="every entry no process uses")
     _add_socket(evict)
     evict.set_defaults(run=_simple, op="evict")
@@ -114,7 +116,7 @@ def _add_socket(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--socket", default=None, help="the daemon's socket (default $WEIGHTSTREAM_CACHE or the default)"
     )
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="the answer as JSON")
 
 
 def _socket(args: argparse.Namespace) -> str:
