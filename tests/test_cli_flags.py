@@ -33,7 +33,7 @@ def checkpoint(tmp_path: Path, tiny_state) -> Path:
         (["--chunk-mib", "0"], 2, "argument --chunk-mib: not a whole number of 1 or more: '0'"),
         (["--threads", "-1"], 2, "argument --threads: not a whole number of 1 or more: '-1'"),
         (
-            ["--max-inflight-mib", "64"],
+            ["--format", "safetensors", "--max-inflight-mib", "64"],
             1,
             "--max-inflight-mib: an option of --format streaming; the safetensors loader does not use it",
         ),

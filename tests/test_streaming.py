@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -155,3 +156,17 @@ def test_peak_rss_stays_within_the_window_plus_a_tenth(s3_endpoint, tmp_path: Pa
     assert measured["peak_above_baseline"] >= 0.5 * window, (
         f"the window was not used, so the bound proves little: {measured}"
     )
+
+
+def test_auto_reads_a_local_checkpoint_in_a_window_when_one_is_asked_for(tmp_path: Path, tiny_state, caplog, no_leaks):
+    """``format="auto"`` picks ``safetensors`` for a local path, which takes no window: ``max_inflight_bytes`` asks for
+    its twin, the streaming loader (the same files), and the log says so."""
+    uri = str(save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=2))
+    with caplog.at_level(logging.INFO, logger="weightstream"), weightstream.open(uri, max_inflight_bytes=64 * MIB) as c:
+        assert c.format == "streaming"
+        assert_same(c.load(), tiny_state)
+    assert "format='auto': max_inflight_bytes asks for the streaming loader, not safetensors" in caplog.text
+    with weightstream.open(uri) as plain:
+        assert plain.format == "safetensors"
+    with pytest.raises(weightstream.InvalidOptionError, match=r"prefetch_layers: an option of format='layered'"):
+        weightstream.open(uri, prefetch_layers=2)

@@ -186,6 +186,16 @@ def _did_you_mean(name: str) -> str:
     return f"; did you mean {close[0]}" + (f" (an option of format={owner!r})" if owner else "") + "?"
 
 
+def option_names(format: str) -> tuple[str, ...]:
+    """The options of ``format``'s loader besides the core ones (imports it).
+
+    Example:
+        >>> option_names("streaming"), option_names("safetensors")
+        (('max_inflight_bytes',), ())
+    """
+    return _own_option_names(loader_class(format))
+
+
 def _own_option_names(loader: type) -> tuple[str, ...]:
     declared = options_class(loader)
     if declared is None or not dataclasses.is_dataclass(declared):

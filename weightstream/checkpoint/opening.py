@@ -17,14 +17,16 @@ import torch
 import weightstream.loaders.safetensors
 import weightstream.sources.local.file  # noqa: F401
 from weightstream.checkpoint.handle import Checkpoint
-from weightstream.errors import InvalidOptionError, OptionError
+from weightstream.errors import InvalidOptionError, OptionError, logger
 from weightstream.formats.manifest import MANIFEST_PREFIX
 from weightstream.loaders.base import Loader
 from weightstream.options import LoadOptions
 from weightstream.planning.plan import LoadPlan
-from weightstream.registry import AUTO, bind_options, check_options, get_loader
+from weightstream.registry import AUTO, bind_options, check_options, get_loader, option_names
 from weightstream.sources import REMOTE_SCHEMES, Store, locate
 from weightstream.sources.base import SharedMemory
+
+log = logger(__name__)
 
 
 def resolve_format(uri: str) -> str:
@@ -83,8 +85,7 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
     try:
         if opts.cache is not None:
             store = _through_cache(store, opts)
-        automatic = _automatic_format(store, location)
-        loader, opts = chosen or _checked_loader(automatic, opts, own)
+        loader, opts = chosen or _checked_loader(_fitting(_automatic_format(store, location), own), opts, own)
         plan = loader.plan(store, location, opts)
         if not isinstance(plan, LoadPlan):
             raise TypeError(
@@ -109,6 +110,20 @@ def _automatic_format(store: Store, location: str) -> str:
     ):
         return "sharded-state"
     return "safetensors" if isinstance(store, SharedMemory) else resolve_format(location)
+
+
+def _fitting(automatic: str, own: Mapping[str, object]) -> str:
+    """``format="auto"``'s choice, or its twin where only the twin takes the options given: ``safetensors`` and
+    ``streaming`` read the same files, and ``max_inflight_bytes`` asks for the streaming window wherever the file
+    is (logged)."""
+    twins = {"safetensors": "streaming", "streaming": "safetensors"}
+    if not own or automatic not in twins or set(own) <= set(option_names(automatic)):
+        return automatic
+    twin = twins[automatic]
+    if not set(own) <= set(option_names(twin)):
+        return automatic  # its loader says which option it refuses
+    log.info("format='auto': %s asks for the %s loader, not %s", ", ".join(sorted(own)), twin, automatic)
+    return twin
 
 
 def _through_cache(store: Store, opts: LoadOptions) -> Store:
