@@ -339,10 +339,11 @@ def test_auto_without_a_daemon_reads_the_source_and_an_explicit_socket_raises(tm
     stale = socket.socket(socket.AF_UNIX)  # a socket file nobody listens on: a daemon that died
     stale.bind(str(tmp_path / "stale.sock"))
     monkeypatch.setenv("WEIGHTSTREAM_CACHE", str(tmp_path / "stale.sock"))
-    with caplog.at_level("INFO", logger="weightstream.nodecache.connection"):
+    with caplog.at_level("WARNING", logger="weightstream.nodecache.connection"):
         for _ in range(2):
             assert_same(weightstream.load_weights(tmp_path / "model.safetensors", cache="auto"), state())
     stale.close()
+    assert {record.levelname for record in caplog.records} == {"WARNING"}
     assert [record.getMessage() for record in caplog.records] == 2 * [
         f"cache='auto': no weightstream cache daemon at {tmp_path / 'stale.sock'}: Connection refused; reading from "
         + "the source"

@@ -115,7 +115,7 @@ class LoadOptions:
     cache: str | None = None
     """The node weight cache to read through (docs/node-cache.md): the daemon's socket
     path, or ``"auto"`` (``$WEIGHTSTREAM_CACHE`` or the default socket, if a daemon listens there; else
-    the source is read directly: logged at DEBUG where no socket exists, at INFO otherwise, e.g. a stale
+    the source is read directly: logged at DEBUG where no socket exists, as a WARNING otherwise, e.g. a stale
     socket). An explicit socket without a daemon raises ``CacheUnavailableError``. Default ``None``: no
     cache."""
 

@@ -254,8 +254,9 @@ def connect(cache: str) -> CacheClient | None:
         if explicit:
             raise
         # No socket is the usual case on a machine without the daemon: said only at DEBUG. Anything else (a
-        # stale socket of a daemon that died, one that does not answer) is worth a line at every load.
-        level = logging.DEBUG if isinstance(error.__cause__, FileNotFoundError) else logging.INFO
+        # stale socket of a daemon that died, one that does not answer) is a warning at every load: the node is
+        # meant to have a cache and every load now reads its source.
+        level = logging.DEBUG if isinstance(error.__cause__, FileNotFoundError) else logging.WARNING
         log.log(level, "cache='auto': %s; reading from the source", error)
         return None
 
