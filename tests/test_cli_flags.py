@@ -171,3 +171,24 @@ def test_the_formats_help_lists_are_the_registry():
     from weightstream.registry import BUILTIN_LOADERS
 
     assert BUILT_IN_FORMATS == tuple(BUILTIN_LOADERS)
+
+
+def test_verbose_shows_what_weightstream_chose(checkpoint: Path):
+    quiet = cli("load", str(checkpoint), "--max-inflight-mib", "64", "--json")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    told = cli("-v", "load", str(checkpoint), "--max-inflight-mib", "64", "--json")
+    assert told.returncode == 0
+    assert told.stderr.strip() == (
+        "weightstream: INFO: format='auto': max_inflight_bytes asks for the streaming loader, not safetensors"
+    )
+    assert json.loads(told.stdout)["format"] == "streaming"
+    nobody = str(checkpoint.parent / "nobody.sock")
+    debug = subprocess.run(
+        [sys.executable, "-m", "weightstream.cli", "-vv", "load", str(checkpoint), "--cache", "auto", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "WEIGHTSTREAM_CACHE": nobody},
+    )
+    assert f"weightstream: DEBUG: cache='auto': no weightstream cache daemon at {nobody}" in debug.stderr

@@ -36,7 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command that was given, with its usage, not the top level's
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    _log_to_stderr(args.log_level or os.environ.get(LOG_ENVIRONMENT) or "warning")
+    verbose = {0: None, 1: "info"}.get(args.verbose, "debug")
+    _log_to_stderr(args.log_level or verbose or os.environ.get(LOG_ENVIRONMENT) or "warning")
     try:
         return args.run(args)
     except WeightstreamError as error:
@@ -75,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=LOG_LEVELS,
         default=None,
         help=f"log lines shown on stderr (default: ${LOG_ENVIRONMENT}, else warning)",
+    )
+    parser.add_argument(
+        "--verbose",
+        "-v",
+        action="count",
+        default=0,
+        help="-v: --log-level info (what weightstream chose for you); -vv: --log-level debug",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     add_reading_commands(commands)
