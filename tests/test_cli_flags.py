@@ -192,3 +192,36 @@ def test_verbose_shows_what_weightstream_chose(checkpoint: Path):
         env={**os.environ, "WEIGHTSTREAM_CACHE": nobody},
     )
     assert f"weightstream: DEBUG: cache='auto': no weightstream cache daemon at {nobody}" in debug.stderr
+
+
+def test_ctrl_c_mid_request_is_one_line_exit_130_and_leaves_nothing(tmp_path: Path):
+    """A load waiting on a server that accepted and never answers: SIGINT ends it at once, one line, exit 130, no
+    traceback, no temporary file, no process left."""
+    import signal
+    import socket
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "weightstream.cli", "load", f"http://127.0.0.1:{silent.getsockname()[1]}/m.safetensors"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(scratch)},
+    )
+    try:
+        connection, _ = silent.accept()  # the load's first request has reached the server
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=30)
+        connection.close()
+    finally:
+        silent.close()
+        if process.poll() is None:
+            process.kill()
+    assert (process.returncode, stdout, stderr) == (130, "", "weightstream: interrupted\n")
+    assert list(scratch.iterdir()) == []
