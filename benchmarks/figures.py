@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from weightstream.generated_text import replace_between
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 LOCAL_REPORT = HERE / "cpu-4gib.json"
@@ -144,16 +146,6 @@ def plot(local: dict, s3: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def rewrite(document: Path, generated: str) -> bool:
-    """Put ``generated`` between the markers of ``document``; whether it changed."""
-    text = document.read_text()
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    if text[start:end] == generated:
-        return False
-    document.write_text(text[:start] + generated + text[end:])
-    return True
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a document's table is stale; write nothing")
@@ -165,7 +157,8 @@ def main() -> int:
         print("stale: " + ", ".join(stale) if stale else "current")
         return 1 if stale else 0
     for document in DOCUMENTS:
-        print(f"{document.relative_to(ROOT)}: {'rewritten' if rewrite(document, generated) else 'current'}")
+        changed = replace_between(document, BEGIN, END, generated)
+        print(f"{document.relative_to(ROOT)}: {'rewritten' if changed else 'current'}")
     plot(local, s3, PLOT)
     print(f"{PLOT.relative_to(ROOT)}: written")
     return 0

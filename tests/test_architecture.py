@@ -21,6 +21,7 @@ FLOORS: dict[str, int] = {
     "progress": 0,
     "terminal": 0,
     "workers": 0,
+    "generated_text": 0,
     "arguments": 1,
     "formats": 1,
     "sources": 2,

@@ -12,11 +12,11 @@ import ast
 import dataclasses
 import inspect
 import itertools
-import re
 import sys
 import textwrap
 from pathlib import Path
 
+from weightstream.generated_text import replace_between
 from weightstream.options import LoadOptions
 from weightstream.registry import available_loaders, loader_class, options_class
 
@@ -68,15 +68,9 @@ def options_table() -> str:
     return "\n".join([*lines, "", END])
 
 
-def rewrite(readme: Path) -> bool:
-    """Replace the table between the markers in ``readme`` with :func:`options_table`; whether it changed."""
-    text = readme.read_text()
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
-    if not pattern.search(text):
-        raise SystemExit(f"{readme}: no options table markers ({BEGIN!r} ... {END!r})")
-    updated = pattern.sub(lambda _: options_table(), text)
-    readme.write_text(updated)
-    return updated != text
+def rewrite(document: Path) -> bool:
+    """Replace the table between the markers in ``document`` with :func:`options_table`; whether it changed."""
+    return replace_between(document, BEGIN, END, options_table())
 
 
 def _documented(cls: type) -> list[tuple[str, str]]:
