@@ -141,7 +141,7 @@ def _through_cache(store: Store, opts: LoadOptions) -> Store:
 
         try:
             check_destination(opts.device, opts.pin_memory)
-            copy_sources = SegmentCopies(torch.device(opts.device))
+            copy_sources = SegmentCopies(torch.device(opts.device), strict=opts.zero_copy is True)
         except BaseException:
             client.close()
             raise

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from weightstream.errors import CacheFullError, logger
+from weightstream.errors import CacheError, DeviceMemoryError, DeviceUnavailableError, logger
 from weightstream.memory import pinning
 from weightstream.nodecache import vmm
 from weightstream.nodecache.client import CachedStore, SegmentSource
@@ -30,8 +30,10 @@ class SegmentCopies:
         >>> store = CachedStore(inner, client, None, SegmentCopies(torch.device("cuda:0")))  # doctest: +SKIP
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, strict: bool = False) -> None:
         self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.strict = strict
+        """``zero_copy=True``: views of the daemon's device copy or an error, never a copy from the host."""
         self.uuid = vmm.gpu_uuid(self.index)
         self.locks_read_only = pinning.read_only_supported(self.index)
         if not self.locks_read_only:
@@ -47,14 +49,24 @@ class SegmentCopies:
         gpus = answer.get("gpus")
         if isinstance(gpus, list) and self.uuid in gpus:
             try:
-                copy_fd, allocation_bytes = store.device_copy(segment, self.uuid)
-            except CacheFullError as error:
+                return self._import_device_copy(store, segment)
+            except (CacheError, DeviceUnavailableError, DeviceMemoryError) as error:
+                if self.strict:
+                    raise
                 log.warning("%s: no device copy (%s); copying from the host's shared memory", segment.uri, error)
-            else:
-                try:
-                    return vmm.import_read_only(copy_fd, segment.size, allocation_bytes, self.index, segment.uri)
-                finally:
-                    os.close(copy_fd)
         if not self.locks_read_only:
             return None
         return map_read_only(fd, segment.size, page_locked=True, what=segment.uri)
+
+    def _import_device_copy(self, store: CachedStore, segment: SegmentSource) -> torch.Tensor:
+        """The daemon's copy of ``segment`` on this GPU, mapped read-only here.
+
+        Raises:
+            CacheError: the daemon has no room for it, or went away; DeviceUnavailableError, DeviceMemoryError: the
+                driver refused to import or map it.
+        """
+        copy_fd, allocation_bytes = store.device_copy(segment, self.uuid)
+        try:
+            return vmm.import_read_only(copy_fd, segment.size, allocation_bytes, self.index, segment.uri)
+        finally:
+            os.close(copy_fd)
