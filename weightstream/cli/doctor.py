@@ -156,15 +156,26 @@ def _cuda_python() -> Iterator[Finding]:
             "cuda-python",
             PROBLEM,
             f"not importable ({error}): pinned memory, the staging ring and GDS need it: pip install "
-            "'weightstream[cuda]'",
+            "'weightstream[cuda12]' (or [cuda13] for a CUDA 13 driver)",
         )
         return
     (status,) = driver.cuInit(0)
     error, version = driver.cuDriverGetVersion()
-    said = f"driver CUDA {version // 1000}.{version % 1000 // 10}" if int(error) == 0 else f"no driver ({error})"
-    yield Finding(
-        "cuda-python", OK if int(status) == 0 else PROBLEM, f"cuda-bindings {_version('cuda-bindings')}, {said}"
-    )
+    installed = _version("cuda-bindings") or "?"
+    if int(error) != 0 or int(status) != 0:
+        yield Finding("cuda-python", PROBLEM, f"cuda-bindings {installed}, but the driver does not answer ({status})")
+        return
+    driver_major, bindings_major = version // 1000, release(installed)[0] if release(installed) else 0
+    said = f"cuda-bindings {installed}, driver CUDA {driver_major}.{version % 1000 // 10}"
+    if bindings_major > driver_major:
+        yield Finding(
+            "cuda-python",
+            PROBLEM,
+            f"{said}: bindings of CUDA {bindings_major} need a CUDA {bindings_major} driver; "
+            f"pip install 'weightstream[cuda{driver_major}]'",
+        )
+        return
+    yield Finding("cuda-python", OK, said)
     reason = unavailable_reason(need_nvidia_fs=True)
     yield Finding("gds", OK if reason is None else NOTE, reason or "cuFile opens and nvidia-fs is loaded")
 

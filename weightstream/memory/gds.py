@@ -18,6 +18,7 @@ from types import ModuleType
 import torch
 
 from weightstream.errors import DeviceUnavailableError
+from weightstream.memory.pinning import INSTALL_HINT
 from weightstream.sources.local.identity import check_identity
 from weightstream.sources.local.regular import open_regular
 
@@ -35,7 +36,7 @@ def bindings() -> ModuleType:
         from cuda.bindings import cufile
     except ImportError as error:
         raise DeviceUnavailableError(
-            f"GPUDirect Storage needs cuda-python's cuFile bindings ({error}); pip install 'weightstream[cuda]'"
+            f"GPUDirect Storage needs cuda-python's cuFile bindings ({error}); {INSTALL_HINT}"
         ) from None
     return cufile
 

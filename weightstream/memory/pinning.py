@@ -20,7 +20,10 @@ _registered = {"current": 0, "peak": 0}
 """Bytes this process has page-locked through :func:`register` (for benchmarks' peak pinned bytes)."""
 _sizes: dict[int, int] = {}
 
-INSTALL_HINT = "pip install 'weightstream[cuda]' (cuda-bindings, matching your driver's CUDA major version)"
+INSTALL_HINT = (
+    "pip install 'weightstream[cuda12]' or 'weightstream[cuda13]' (cuda-bindings of your driver's CUDA major version, "
+    "as nvidia-smi prints it)"
+)
 
 
 @functools.cache

@@ -12,16 +12,21 @@ Devices are named by UUID (``GPU-...``), the same in every process whatever its 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import queue
 import threading
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
 
-from weightstream.errors import CacheFullError, DeviceMemoryError, DeviceUnavailableError
+from weightstream.errors import CacheFullError, DeviceMemoryError, DeviceUnavailableError, logger
 from weightstream.memory.pinning import INSTALL_HINT
 from weightstream.nodecache.dlpack import tensor_at
+
+log = logger(__name__)
 
 
 @functools.cache
@@ -67,10 +72,24 @@ def gpu_uuid(index: int) -> str:
     return f"GPU-{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:32]}"
 
 
-def use_device(index: int) -> None:
-    """Make device ``index``'s primary context (torch's) current on this thread: the driver calls need one."""
-    (status,) = driver().cuCtxSetCurrent(_primary_context(index))
-    check(status, "cuCtxSetCurrent")
+@contextlib.contextmanager
+def on_device(index: int) -> Iterator[None]:
+    """Device ``index``'s primary context (torch's) current on this thread for the block, the caller's current
+    context back after it: the driver calls need one, and a caller on another GPU must not find its device changed.
+
+    Example:
+        >>> with on_device(1):  # doctest: +SKIP
+        ...     copy = ExportedCopy(address, nbytes, 1, "model.safetensors")
+    """
+    bindings = driver()
+    (status,) = bindings.cuCtxPushCurrent(_primary_context(index))
+    check(status, f"cuCtxPushCurrent(device {index})")
+    try:
+        yield
+    finally:
+        status, _ = bindings.cuCtxPopCurrent()
+        if status != bindings.CUresult.CUDA_SUCCESS:
+            log.warning("cuCtxPopCurrent after a call on device %d failed: %s", index, _describe(bindings, status))
 
 
 @functools.cache
@@ -119,35 +138,36 @@ class ExportedCopy:
 
     def __init__(self, host_address: int, nbytes: int, index: int, what: str) -> None:
         bindings = driver()
-        use_device(index)
-        self.nbytes = nbytes
-        self.allocation_bytes = allocation_bytes(nbytes, index)
-        status, self._handle = bindings.cuMemCreate(self.allocation_bytes, _properties(index), 0)
-        if status == bindings.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
-            raise CacheFullError(
-                f"{what}: no room for a {self.allocation_bytes}-byte copy on device {index}: "
-                f"{_describe(bindings, status)}"
-            )
-        check(status, f"cuMemCreate({self.allocation_bytes}) for {what}")
-        try:
-            address = map_allocation(self._handle, self.allocation_bytes, index, writable=True)
+        self.nbytes, self.index = nbytes, index
+        with on_device(index):
+            self.allocation_bytes = allocation_bytes(nbytes, index)
+            status, self._handle = bindings.cuMemCreate(self.allocation_bytes, _properties(index), 0)
+            if status == bindings.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+                raise CacheFullError(
+                    f"{what}: no room for a {self.allocation_bytes}-byte copy on device {index}: "
+                    f"{_describe(bindings, status)}"
+                )
+            check(status, f"cuMemCreate({self.allocation_bytes}) for {what}")
             try:
-                (status,) = bindings.cuMemcpyHtoD(address, host_address, nbytes)
-                check(status, f"cuMemcpyHtoD of {nbytes} bytes of {what}")
-            finally:
-                unmap_allocation(address, self.allocation_bytes)
-            handle_type = bindings.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-            status, fd = bindings.cuMemExportToShareableHandle(self._handle, handle_type, 0)
-            check(status, f"cuMemExportToShareableHandle for {what}")
-            self.fd = int(fd)
-        except BaseException:
-            bindings.cuMemRelease(self._handle)
-            raise
+                address = map_allocation(self._handle, self.allocation_bytes, index, writable=True)
+                try:
+                    (status,) = bindings.cuMemcpyHtoD(address, host_address, nbytes)
+                    check(status, f"cuMemcpyHtoD of {nbytes} bytes of {what}")
+                finally:
+                    unmap_allocation(address, self.allocation_bytes)
+                handle_type = bindings.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                status, fd = bindings.cuMemExportToShareableHandle(self._handle, handle_type, 0)
+                check(status, f"cuMemExportToShareableHandle for {what}")
+                self.fd = int(fd)
+            except BaseException:
+                _logged(bindings.cuMemRelease(self._handle), f"cuMemRelease of {what}'s copy")
+                raise
 
     def release(self) -> None:
-        """Close the descriptor and release the daemon's handle."""
+        """Close the descriptor and release the daemon's handle (a failure is logged: nothing can be done then)."""
         os.close(self.fd)
-        driver().cuMemRelease(self._handle)
+        with on_device(self.index):
+            _logged(driver().cuMemRelease(self._handle), f"cuMemRelease of a {self.allocation_bytes}-byte copy")
 
 
 def map_allocation(handle: object, nbytes: int, index: int, *, writable: bool) -> int:
@@ -167,26 +187,63 @@ def map_allocation(handle: object, nbytes: int, index: int, *, writable: bool) -
         (status,) = bindings.cuMemSetAccess(address, nbytes, [access], 1)
         check(status, "cuMemSetAccess", DeviceMemoryError)
     except BaseException:
-        bindings.cuMemUnmap(address, nbytes)
-        bindings.cuMemAddressFree(address, nbytes)
+        unmap_allocation(int(address), nbytes)
         raise
     return int(address)
 
 
 def unmap_allocation(address: int, nbytes: int) -> None:
-    """Undo :func:`map_allocation` (the allocation is freed once no process maps or holds it)."""
+    """Undo :func:`map_allocation` (the allocation is freed once no process maps or holds it); failures are logged."""
     bindings = driver()
-    bindings.cuMemUnmap(address, nbytes)
-    bindings.cuMemAddressFree(address, nbytes)
+    _logged(bindings.cuMemUnmap(address, nbytes), f"cuMemUnmap({address:#x}, {nbytes})")
+    _logged(bindings.cuMemAddressFree(address, nbytes), f"cuMemAddressFree({address:#x}, {nbytes})")
 
 
-def _unmap_import(address: int, allocation_bytes: int, index: int) -> None:
-    """Unmap an imported allocation once the device is done with it: torch frees a tensor's memory as its last
-    reference dies, while kernels queued before may still read it (torch's own allocator waits on streams; a
-    foreign allocation gets no such care)."""
-    use_device(index)
-    driver().cuCtxSynchronize()
-    unmap_allocation(address, allocation_bytes)
+def _logged(result: object, call: str) -> None:
+    """Log ``call``'s failure (a release or unmap, whose caller cannot act on it)."""
+    bindings = driver()
+    status = result[0] if isinstance(result, tuple) else result
+    if status != bindings.CUresult.CUDA_SUCCESS:
+        log.warning("%s failed: %s", call, _describe(bindings, status))
+
+
+class Unmapper:
+    """Unmaps imported allocations on a thread of its own, after the device has finished with them: torch frees a
+    tensor's memory as its last reference dies, while kernels queued before may still read it (torch's allocator
+    waits on streams; a foreign allocation gets no such care). The thread that drops the last view may be capturing
+    a CUDA graph, which engines do right after loading, where a synchronisation is illegal: so the drop only queues
+    the unmap, and this thread, in relaxed capture mode, synchronises the device and unmaps, logging failures."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
+        self._started = False
+        self._lock = threading.Lock()
+
+    def unmap_later(self, address: int, allocation_bytes: int, index: int) -> None:
+        """Queue the unmap of ``allocation_bytes`` at ``address`` on device ``index`` (from any thread)."""
+        with self._lock:
+            if not self._started:
+                threading.Thread(target=self._run, name="weightstream-vmm-unmap", daemon=True).start()
+                self._started = True
+        self._queue.put((address, allocation_bytes, index))
+
+    def _run(self) -> None:
+        bindings = driver()
+        relaxed = bindings.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        _logged(bindings.cuThreadExchangeStreamCaptureMode(relaxed), "cuThreadExchangeStreamCaptureMode")
+        while True:
+            address, allocation_bytes, index = self._queue.get()
+            try:
+                with on_device(index):
+                    _logged(bindings.cuCtxSynchronize(), f"cuCtxSynchronize before unmapping {address:#x}")
+                    unmap_allocation(address, allocation_bytes)
+            except Exception as error:  # noqa: BLE001 - this thread must outlive one failure; it is said
+                log.warning(
+                    "unmapping %d bytes at %#x on device %d failed: %s", allocation_bytes, address, index, error
+                )
+
+
+_unmapper = Unmapper()
 
 
 _import_lock = threading.Lock()
@@ -204,17 +261,16 @@ def import_read_only(fd: int, nbytes: int, allocation_bytes: int, index: int, wh
         >>> weights = import_read_only(fd, 1 << 30, 1 << 30, 0, "model.safetensors")  # doctest: +SKIP
     """
     bindings = driver()
-    with _import_lock:
-        use_device(index)
+    with _import_lock, on_device(index):
         handle_type = bindings.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         status, handle = bindings.cuMemImportFromShareableHandle(fd, handle_type)
         check(status, f"cuMemImportFromShareableHandle for {what}")
         try:
             address = map_allocation(handle, allocation_bytes, index, writable=False)
         finally:
-            bindings.cuMemRelease(handle)  # the mapping holds the memory now
+            _logged(bindings.cuMemRelease(handle), f"cuMemRelease of {what}'s imported handle")  # the mapping holds it
     view = tensor_at(
-        address, nbytes, torch.device("cuda", index), lambda: _unmap_import(address, allocation_bytes, index)
+        address, nbytes, torch.device("cuda", index), lambda: _unmapper.unmap_later(address, allocation_bytes, index)
     )
     if view.data_ptr() != address:  # a copy would be memory of torch's, not the daemon's copy
         raise DeviceMemoryError(f"{what}: the imported copy at {address:#x} came back at {view.data_ptr():#x}")
