@@ -56,3 +56,35 @@ def test_gds_auto_says_why_it_uses_the_ring(tmp_path, tiny_state, caplog, no_lea
     reason = gds.unavailable_reason(need_nvidia_fs=True)
     if reason is not None:
         assert f"gds='auto': reading through the staging ring: {reason}" in caplog.text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cuda.bindings") is None, reason="needs cuda-python's cuFile bindings")
+def test_a_read_failing_with_an_errno_is_a_source_error_naming_it():
+    """cuda-bindings turns cuFileRead's -1 (errno set) into ``cuFileError(errno)``, whose ``OpError(errno)`` raises
+    ``ValueError: 5 is not a valid OpError``: the reader says what it meant, a typed error with the errno."""
+    import threading
+
+    from cuda.bindings import cufile
+
+    from weightstream.errors import SourceError
+    from weightstream.options import LoadOptions
+    from weightstream.planning.plan import ReadRequest
+    from weightstream.readers.gds import _read
+
+    with pytest.raises(ValueError, match=r"^5 is not a valid OpError$"):
+        cufile.cuFileError(5)  # the bindings' own behaviour, which the reader must translate
+
+    class FailingCufile:
+        cuFileError = cufile.cuFileError
+
+        @staticmethod
+        def read(handle, address, size, offset, destination_offset):
+            raise cufile.cuFileError(5)
+
+    request = ReadRequest(file="/m/model.safetensors", offset=4096, nbytes=8192, dest_offset=0)
+    with pytest.raises(SourceError) as failed:
+        _read(FailingCufile, "/m/model.safetensors", 1, 0, request, threading.Event(), LoadOptions())
+    assert failed.value.errno == 5
+    assert str(failed.value) == (
+        "/m/model.safetensors: cuFileRead of bytes 4096..12288 failed at byte 4096: Input/output error (errno 5)"
+    )

@@ -10,6 +10,8 @@ are all released on every exit.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import threading
 from collections.abc import Iterator
 from types import ModuleType
@@ -49,6 +51,9 @@ def read_gds(
         cufile = cleanup.enter_context(gds.driver())
         destinations = [device.allocate(layout.buffer_bytes, layout.file) for layout in layouts]
         cleanup.callback(destinations.clear)
+        # cuFile's DMA runs outside every stream: work queued on the current stream that still uses these blocks
+        # (the caching allocator hands out memory freed a moment ago) must finish before it overwrites them.
+        torch.cuda.current_stream(device.device).synchronize()
         addresses = [cleanup.enter_context(gds.registered_buffer(cufile, buffer)) for buffer in destinations]
         handles = [
             cleanup.enter_context(
@@ -90,7 +95,9 @@ def _read(
             got = cufile.read(handle, address, request.nbytes - done, request.offset + done, request.dest_offset + done)
         except cufile.cuFileError as error:
             raise SourceError(f"{span} failed at byte {request.offset + done}: {error}") from None
-        if got < 0:  # -errno is raised above; other negative values are cuFile's own error codes
+        except ValueError as error:
+            raise _os_error(error, f"{span} failed at byte {request.offset + done}") from None
+        if got < 0:  # -1 (errno) raises above; other negative values are cuFile's own error codes
             raise SourceError(f"{span} failed at byte {request.offset + done}: cuFile error {_op_error(cufile, -got)}")
         if got == 0:
             raise TruncatedFileError(
@@ -104,3 +111,25 @@ def _read(
 def _op_error(cufile: ModuleType, code: int) -> str:
     known = {error.value: error.name for error in cufile.OpError}
     return f"{code} ({known[code]})" if code in known else str(code)
+
+
+_NOT_AN_OP_ERROR = re.compile(r"^(-?\d+) is not a valid OpError$")
+
+
+def _os_error(error: ValueError, what: str) -> Exception:
+    """The error a failed ``cufile.read`` meant: cuda-bindings (12.9, 13.5) turns a read that failed with ``errno``
+    into ``cuFileError(errno)``, whose ``OpError(errno)`` raises ``ValueError: 5 is not a valid OpError``: a
+    :class:`SourceError` with that errno. Any other ``ValueError`` is returned as it is (a bug, not the disk's).
+
+    Example:
+        >>> failure = _os_error(ValueError("5 is not a valid OpError"), "m.safetensors: cuFileRead")
+        >>> type(failure).__name__, failure.errno, str(failure)
+        ('SourceError', 5, 'm.safetensors: cuFileRead: Input/output error (errno 5)')
+    """
+    match = _NOT_AN_OP_ERROR.match(str(error))
+    if match is None:
+        return error
+    number = int(match.group(1))
+    failure = SourceError(f"{what}: {os.strerror(number)} (errno {number})")
+    failure.errno = number
+    return failure
