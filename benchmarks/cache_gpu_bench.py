@@ -6,7 +6,8 @@ load call (libraries imported and CUDA initialised before the clock) to every te
 
 - ``direct``: ``load_weights(uri, device="cuda")`` from the warm page cache, through the staging ring;
 - ``cache-host``: through a daemon holding host segments only: copies straight from the segments, page-locked
-  read-only in place (no staging slot);
+  read-only in place (no staging slot), or through the staging ring where the driver cannot lock read-only memory
+  (the report's ``routes`` says which ran);
 - ``cache-device``: through a daemon started with ``--device cuda:0``: device-to-device copies from its copy;
 - ``cache-device-view``: the same with ``zero_copy=True``: read-only views of the daemon's copy, no copy at all.
 
@@ -30,29 +31,63 @@ from weightstream.arguments import parse_size
 from weightstream.bench.cache_daemon import daemon_process
 from weightstream.bench.demo import demo_checkpoint
 
-LOAD = """
+DIGEST = """
+def digest(tensors):
+    # Per tensor, the sum of its bytes taken 256 MiB at a time: equal to the CPU's for the same bytes, on any device.
+    out = {}
+    for name, tensor in tensors.items():
+        flat, total = tensor.reshape(-1).view(torch.uint8), 0
+        for start in range(0, flat.numel(), 1 << 28):
+            total += int(flat[start : start + (1 << 28)].to(torch.int32).sum().item())
+        out[name] = total
+    return out
+"""
+
+LOAD = (
+    """
 import sys, time, json
 import torch, weightstream, weightstream.nodecache.client, weightstream.nodecache.gpu_import
 torch.zeros(1, device="cuda")
 options = json.loads(sys.argv[2])
 started = time.perf_counter()
-weights = weightstream.load_weights(sys.argv[1], device="cuda", **options)
+with weightstream.open(sys.argv[1], device="cuda", **options) as checkpoint:
+    weights = checkpoint.load()
+    routes = checkpoint.stats.copy_routes
 torch.cuda.synchronize()
 seconds = time.perf_counter() - started
 total = sum(t.numel() * t.element_size() for t in weights.values())
-print(json.dumps({"seconds": seconds, "bytes": total, "devices": sorted({str(t.device) for t in weights.values()})}))
 """
+    + DIGEST
+    + """
+print(json.dumps({"seconds": seconds, "bytes": total, "routes": routes, "digest": digest(weights),
+                  "devices": sorted({str(t.device) for t in weights.values()})}))
+"""
+)
 
 
 def run(checkpoint: str, options: dict) -> dict:
+    """One load in a fresh process; its stderr is kept when it fails."""
     result = subprocess.run(
         [sys.executable, "-c", LOAD, checkpoint, json.dumps(options)],
-        check=True,
+        check=False,
         capture_output=True,
         text=True,
         cwd=ROOT,
     )
+    if result.returncode != 0:
+        raise SystemExit(f"the load with {options} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def reference(checkpoint: str) -> dict[str, int]:
+    """The digest of the checkpoint loaded to the CPU, which every GPU load must match."""
+    import torch
+
+    import weightstream
+
+    namespace: dict = {"torch": torch}
+    exec(DIGEST, namespace)  # noqa: S102 - the same digest function the loads run, defined once above
+    return namespace["digest"](weightstream.load_weights(checkpoint))
 
 
 def main() -> int:
@@ -72,12 +107,19 @@ def main() -> int:
         "cache-device-view": {"cache": device[1], "zero_copy": True},
     }
     seconds: dict[str, list[float]] = {}
+    routes: dict[str, dict[str, int]] = {}
+    expected = reference(checkpoint)
     with (
         daemon_process(*host, prefetch=checkpoint),
         daemon_process(*device, prefetch=checkpoint, serve_options=("--device", "cuda:0")),
     ):
-        for method, options in methods.items():  # warm: the page cache, the daemon's device copies
-            run(checkpoint, options)
+        for method, options in methods.items():  # warm: the page cache, the daemon's device copies; and checked
+            warm = run(checkpoint, options)
+            if warm["digest"] != expected:
+                wrong = sorted(name for name in expected if warm["digest"].get(name) != expected[name])
+                raise SystemExit(f"{method}: the bytes loaded differ from the checkpoint's in {wrong[:5]}")
+            routes[method] = warm["routes"]
+            print(f"{method}: bytes checked; copies read from {warm['routes'] or 'the staging ring (direct)'}")
         for round_number in range(args.rounds):
             for method, options in methods.items():
                 result = run(checkpoint, options)
@@ -93,8 +135,9 @@ def main() -> int:
         "median_seconds": medians,
         "gbps": {method: args.size / value / 1e9 for method, value in medians.items()},
         "speedup_over_direct": {method: medians["direct"] / value for method, value in medians.items()},
+        "routes": routes,
     }
-    print(json.dumps({key: report[key] for key in ("gbps", "speedup_over_direct")}, indent=1))
+    print(json.dumps({key: report[key] for key in ("gbps", "speedup_over_direct", "routes")}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0

@@ -181,12 +181,16 @@ def test_cuda_loads_copy_from_page_locked_segments(tmp_path: Path, format, no_le
 
     state = llama_state_dict(SHAPE, seed=4)
     uri = save_hf_sharded(state, tmp_path / "ckpt", shards=2)
+    if not pinning.read_only_supported(0):
+        pytest.skip("cudaDevAttrHostRegisterReadOnlySupported is 0 on cuda:0: cached loads go through the ring")
     with running_daemon("gpu") as daemon:
-        loaded = weightstream.load_weights(uri, format=format, cache=str(daemon.socket), device="cuda:0")
+        with weightstream.open(uri, format, cache=str(daemon.socket), device="cuda:0") as checkpoint:
+            loaded = checkpoint.load()
+            routes = checkpoint.stats.copy_routes
+        assert routes == {"page-locked": 2}, routes
         assert {tensor.device.type for tensor in loaded.values()} == {"cuda"}
         assert_same({name: tensor.cpu() for name, tensor in loaded.items()}, state)
-        if pinning.read_only_supported(0):
-            assert pinning.registered_bytes()[1] >= sum(f.stat().st_size for f in Path(uri).glob("*.safetensors"))
+        assert pinning.registered_bytes()[1] >= sum(f.stat().st_size for f in Path(uri).glob("*.safetensors"))
         del loaded
         gc.collect()
         torch.cuda.synchronize()

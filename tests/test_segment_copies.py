@@ -4,6 +4,7 @@ test of the choice (the driver calls themselves need a GPU: tests/test_cache_gpu
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import pytest
@@ -26,14 +27,17 @@ class DaemonGone:
 def copies(strict: bool) -> SegmentCopies:
     chosen = SegmentCopies.__new__(SegmentCopies)
     chosen.index, chosen.uuid, chosen.locks_read_only, chosen.strict = 0, "GPU-0000", True, strict
+    chosen.routes = collections.Counter()
     return chosen
 
 
 def test_a_device_copy_that_cannot_be_had_falls_back_to_the_host_segment(monkeypatch, caplog):
     host = object()
     monkeypatch.setattr(gpu_import, "map_read_only", lambda fd, size, page_locked, what: host)
+    chosen = copies(strict=False)
     with caplog.at_level(logging.WARNING, logger="weightstream"):
-        assert copies(strict=False)(DaemonGone(), Segment(), 3, {"gpus": ["GPU-0000"]}) is host
+        assert chosen(DaemonGone(), Segment(), 3, {"gpus": ["GPU-0000"]}) is host
+    assert chosen.routes == {"page-locked": 1}
     assert caplog.messages == [
         (
             f"{Segment.uri}: no device copy (the cache daemon at /run/weightstream/cache.sock closed the connection); "
@@ -64,3 +68,11 @@ def test_zero_copy_true_stays_strict(monkeypatch):
     monkeypatch.setattr(gpu_import, "map_read_only", lambda *args, **kwargs: pytest.fail("fell back to the host"))
     with pytest.raises(CacheUnavailableError, match="closed the connection"):
         copies(strict=True)(DaemonGone(), Segment(), 3, {"gpus": ["GPU-0000"]})
+
+
+def test_a_driver_that_cannot_lock_read_only_memory_is_counted_as_the_ring(monkeypatch):
+    chosen = copies(strict=False)
+    chosen.locks_read_only = False
+    monkeypatch.setattr(gpu_import, "map_read_only", lambda *args, **kwargs: pytest.fail("locked anyway"))
+    assert chosen(DaemonGone(), Segment(), 3, {"gpus": []}) is None
+    assert chosen.routes == {"staging-ring": 1}

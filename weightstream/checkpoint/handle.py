@@ -46,6 +46,10 @@ class CheckpointStats:
     """Bytes of the checkpoint read for them: ``tensor_bytes``, and what slices read between their elements."""
     wait_seconds: float = 0.0
     """Time callers spent waiting for tensors (inside ``get_tensor``, ``get_slice`` and the iterators)."""
+    copy_routes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Through the node cache to a GPU: files by where their copies read, ``device-copy`` (the daemon's copy on
+    that GPU), ``page-locked`` (host segments locked in place) or ``staging-ring`` (a driver that cannot lock
+    read-only memory). Empty for other loads."""
 
 
 class Checkpoint:
@@ -99,8 +103,13 @@ class Checkpoint:
     @property
     def stats(self) -> CheckpointStats:
         """A copy of what it has done so far."""
+        from weightstream.nodecache.client import CachedStore
+
         with self._lock:
-            return dataclasses.replace(self._stats)
+            done = dataclasses.replace(self._stats)
+        if isinstance(self._store, CachedStore):
+            done.copy_routes = self._store.copy_routes()
+        return done
 
     @property
     def closed(self) -> bool:

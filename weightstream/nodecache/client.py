@@ -21,6 +21,7 @@ once in the log).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
 import os
@@ -43,7 +44,10 @@ from weightstream.sources.http.store import HttpStore
 
 class CopySources(Protocol):
     """Gives each segment of a CUDA load its :attr:`SegmentSource.copy_source`
-    (``weightstream.nodecache.gpu_import``)."""
+    (``weightstream.nodecache.gpu_import``), and counts the routes it chose."""
+
+    routes: collections.Counter[str]
+    """Files by where their copies read: ``device-copy``, ``page-locked`` (host segments) or ``staging-ring``."""
 
     def __call__(
         self, store: CachedStore, segment: SegmentSource, fd: int, answer: Mapping[str, object]
@@ -103,6 +107,10 @@ class CachedStore:
         """The segment of ``uri`` at ``version``: shared memory, with the daemon's device copy where it made one
         (declares :class:`~weightstream.sources.base.SharedMemory`)."""
         return self._attach(uri, size, version)
+
+    def copy_routes(self) -> dict[str, int]:
+        """Files of a CUDA load by where their copies read (see :class:`CopySources`); empty for other loads."""
+        return {} if self._copy_sources is None else dict(self._copy_sources.routes)
 
     def close(self) -> None:
         self._segments.clear()

@@ -9,6 +9,7 @@ lock read-only memory gets neither: its copies go through the staging ring, and 
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Mapping
 
@@ -34,6 +35,7 @@ class SegmentCopies:
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.strict = strict
         """``zero_copy=True``: views of the daemon's device copy or an error, never a copy from the host."""
+        self.routes: collections.Counter[str] = collections.Counter()
         self.uuid = vmm.gpu_uuid(self.index)
         self.locks_read_only = pinning.read_only_supported(self.index)
         if not self.locks_read_only:
@@ -49,14 +51,20 @@ class SegmentCopies:
         gpus = answer.get("gpus")
         if isinstance(gpus, list) and self.uuid in gpus:
             try:
-                return self._import_device_copy(store, segment)
+                copy = self._import_device_copy(store, segment)
             except (CacheError, DeviceUnavailableError, DeviceMemoryError) as error:
                 if self.strict:
                     raise
                 log.warning("%s: no device copy (%s); copying from the host's shared memory", segment.uri, error)
+            else:
+                self.routes["device-copy"] += 1
+                return copy
         if not self.locks_read_only:
+            self.routes["staging-ring"] += 1
             return None
-        return map_read_only(fd, segment.size, page_locked=True, what=segment.uri)
+        locked = map_read_only(fd, segment.size, page_locked=True, what=segment.uri)
+        self.routes["page-locked"] += 1
+        return locked
 
     def _import_device_copy(self, store: CachedStore, segment: SegmentSource) -> torch.Tensor:
         """The daemon's copy of ``segment`` on this GPU, mapped read-only here.
