@@ -55,7 +55,7 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("device_window.py measures GPU memory: this machine has no CUDA device", file=sys.stderr)
-        return 2
+        return 77  # skipped (benchmarks/gpu_check.py's convention)
     results = []
     with tempfile.TemporaryDirectory() as directory:
         uri = demo_checkpoint(parse_size(args.size), shards=4, cache_dir=directory)
