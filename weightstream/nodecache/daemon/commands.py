@@ -65,6 +65,14 @@ def add_cache_commands(
         "cuda-python)",
     )
     serve.add_argument(
+        "--device-budget",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="most bytes of copies kept on each --device GPU, least recently used evicted first (default: as many as "
+        "fit)",
+    )
+    serve.add_argument(
         "--idle-timeout",
         type=_seconds,
         default=10.0,
@@ -158,6 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
         stop_timeout_s=args.stop_timeout,
         huge_pages=args.huge_pages,
         devices=args.device,
+        device_budget=args.device_budget,
         default_socket=args.socket is None and not os.environ.get(ENVIRONMENT),
     )
 
@@ -245,6 +254,7 @@ def run_daemon(
     stop_timeout_s: float = 30.0,
     huge_pages: str = "auto",
     devices: list[str] | None = None,
+    device_budget: int | None = None,
     default_socket: bool = False,
 ) -> int:
     """``weightstream cache serve``: run in the foreground until SIGTERM; 0 on a clean stop. With
@@ -256,6 +266,8 @@ def run_daemon(
     """
     from weightstream.nodecache.daemon.server import CacheDaemon  # the segments' machinery: not for `--help`
 
+    if device_budget is not None and not devices:
+        raise CacheConfigError("--device-budget without --device: the daemon keeps no device copies to bound")
     if default_socket:
         socket_directory(os.path.dirname(socket_path), group)
     if budget is not None:
@@ -269,6 +281,7 @@ def run_daemon(
         stop_timeout_s=stop_timeout_s,
         huge_pages=huge_pages,
         devices=devices,
+        device_budget=device_budget,
     )
     daemon.install_signal_handlers()
     daemon.serve(on_ready=(lambda: print(json.dumps(daemon.status()), flush=True)) if status else None)

@@ -4,8 +4,10 @@ A copy is made from the file's segment the first time a client on that GPU asks 
 request), once however many ask at once, and exported as a POSIX descriptor (``weightstream.nodecache.vmm``)
 that every later client on that GPU imports and maps read-only: no copy at all. Copies are keyed by the
 segment's key and the GPU's UUID, never its index, since ``CUDA_VISIBLE_DEVICES`` numbers devices
-differently in each process. A copy that does not fit evicts the least recently used ones first; an evicted
-copy's memory stays with the clients that imported it until they unmap it. Device copies die with the
+differently in each process. ``--device-budget`` bounds the bytes of copies the daemon keeps on each GPU (a copying
+load would otherwise hold the weights twice there): a copy that would pass it, or that the GPU has no room for, evicts
+the least recently used ones first, and one larger than the budget is refused before anything is allocated; an
+evicted copy's memory stays with the clients that imported it until they unmap it. Device copies die with the
 daemon (GPU memory belongs to processes, not to a filesystem): a restarted daemon makes them again from
 its segments, and clients that imported one keep theirs.
 """
@@ -47,7 +49,9 @@ class DeviceTier:
         ['GPU-5f1c3a9e-0b6d-2c4e-9a7f-1e2d3c4b5a69']
     """
 
-    def __init__(self, devices: list[str]) -> None:
+    def __init__(self, devices: list[str], budget: int | None = None) -> None:
+        self.budget = budget
+        """Most bytes of copies kept on each GPU (``None``: as many as fit)."""
         self._index: dict[str, int] = {}
         for name in devices:
             try:
@@ -115,11 +119,12 @@ class DeviceTier:
             entry.copy.release()
 
     def status(self) -> dict[str, object]:
-        """What ``stats`` shows of the tier: per GPU, its copies and their bytes."""
+        """What ``stats`` shows of the tier: per GPU, its copies, their bytes and the budget."""
         with self._lock:
             return {
                 uuid: {
                     "index": index,
+                    "budget": self.budget,
                     "entries": sum(1 for _, on in self._entries if on == uuid),
                     "bytes": sum(entry.copy.allocation_bytes for (_, on), entry in self._entries.items() if on == uuid),
                 }
@@ -129,6 +134,7 @@ class DeviceTier:
     def _make(self, uuid: str, segment_path: str, nbytes: int, uri: str) -> DeviceEntry:
         started = time.perf_counter()
         index = self._index[uuid]
+        self._make_room(uuid, vmm.allocation_bytes(nbytes, index), uri)
         with open(segment_path, "rb") as segment:
             host = map_read_only(segment.fileno(), nbytes, what=uri)
         while True:
@@ -140,6 +146,26 @@ class DeviceTier:
                     raise
         log.info("copied %s (%d bytes) to %s in %.2f s", uri, nbytes, uuid, time.perf_counter() - started)
         return DeviceEntry(copy, time.perf_counter() - started, time.time())
+
+    def _make_room(self, uuid: str, allocation_bytes: int, uri: str) -> None:
+        """Evict least recently used copies on GPU ``uuid`` until ``allocation_bytes`` more fit the budget.
+
+        Raises:
+            CacheFullError: the copy alone is larger than the budget (nothing is evicted for it).
+        """
+        if self.budget is None:
+            return
+        if allocation_bytes > self.budget:
+            raise CacheFullError(
+                f"{uri}: its {allocation_bytes}-byte device copy is larger than --device-budget ({self.budget} bytes)"
+            )
+        while self._bytes_on(uuid) + allocation_bytes > self.budget:
+            if not self._evict_one(uuid):
+                return  # the copies being made by others count only once made: the next one makes room then
+
+    def _bytes_on(self, uuid: str) -> int:
+        with self._lock:
+            return sum(entry.copy.allocation_bytes for (_, on), entry in self._entries.items() if on == uuid)
 
     def _evict_one(self, uuid: str) -> bool:
         """Release the least recently used copy on GPU ``uuid``; False when it holds none."""

@@ -73,6 +73,7 @@ class CacheDaemon:
         max_clients: int = 64,
         huge_pages: str = "auto",
         devices: list[str] | None = None,
+        device_budget: int | None = None,
         stop_timeout_s: float = 30.0,
     ) -> None:
         self.socket_path = socket_path
@@ -84,7 +85,7 @@ class CacheDaemon:
         try:
             self.segments = SegmentStore(directory, budget, huge_pages, on_evict=self._evicted)
             self.entries = EntryTable(self.segments, self.segments.references)
-            self.devices = None if not devices else DeviceTier(devices)
+            self.devices = None if not devices else DeviceTier(devices, device_budget)
         except BaseException:
             self.directory.release()
             raise
