@@ -77,3 +77,29 @@ def test_pinned_load_registers_exactly_its_buffers_and_releases_them(tmp_path, t
     del loaded
     gc.collect()
     assert pinning.registered_bytes()[0] == before
+
+
+def test_registering_for_a_device_leaves_the_threads_current_device_as_it_was(monkeypatch):
+    """The runtime registers on the device asked for (a caller on GPU 1 must not start a context on GPU 0) and the
+    thread's current device is restored; the unregistration runs on the same device. A fake runtime records the
+    calls (the real ones need a driver: the CUDA tests run them)."""
+    import types
+
+    from weightstream.memory import pinning
+
+    calls = []
+    success = object()
+    runtime = types.SimpleNamespace(
+        cudaHostRegisterPortable=1,
+        cudaHostRegisterReadOnly=8,
+        cudaError_t=types.SimpleNamespace(cudaSuccess=success),
+        cudaGetDevice=lambda: (success, 0),
+        cudaSetDevice=lambda device: calls.append(("set", device)),
+        cudaHostRegister=lambda address, nbytes, flags: calls.append(("register", flags)) or (success,),
+        cudaHostUnregister=lambda address: calls.append(("unregister",)) or (success,),
+    )
+    monkeypatch.setattr(pinning, "_runtime", lambda: runtime)
+    pinning.register(0x1000, 4096, read_only=True, device=1)
+    pinning.unregister(0x1000)
+    assert calls == [("set", 1), ("register", 9), ("set", 0), ("set", 1), ("unregister",), ("set", 0)]
+    assert pinning.registered_bytes()[0] == 0

@@ -33,7 +33,7 @@ def copies(strict: bool) -> SegmentCopies:
 
 def test_a_device_copy_that_cannot_be_had_falls_back_to_the_host_segment(monkeypatch, caplog):
     host = object()
-    monkeypatch.setattr(gpu_import, "map_read_only", lambda fd, size, page_locked, what: host)
+    monkeypatch.setattr(gpu_import, "map_read_only", lambda fd, size, page_locked, what, device: host)
     chosen = copies(strict=False)
     with caplog.at_level(logging.WARNING, logger="weightstream"):
         assert chosen(DaemonGone(), Segment(), 3, {"gpus": ["GPU-0000"]}) is host
@@ -57,7 +57,7 @@ def test_a_refused_import_falls_back_too(monkeypatch, caplog):
     closed = []
     monkeypatch.setattr(gpu_import.vmm, "import_read_only", refuse)
     monkeypatch.setattr(gpu_import.os, "close", closed.append)
-    monkeypatch.setattr(gpu_import, "map_read_only", lambda fd, size, page_locked, what: "host")
+    monkeypatch.setattr(gpu_import, "map_read_only", lambda fd, size, page_locked, what, device: "host")
     with caplog.at_level(logging.WARNING, logger="weightstream"):
         assert copies(strict=False)(Refusing(), Segment(), 3, {"gpus": ["GPU-0000"]}) == "host"
     assert closed == [7], "the device copy's descriptor was not closed"

@@ -62,7 +62,7 @@ class SegmentCopies:
         if not self.locks_read_only:
             self.routes["staging-ring"] += 1
             return None
-        locked = map_read_only(fd, segment.size, page_locked=True, what=segment.uri)
+        locked = map_read_only(fd, segment.size, page_locked=True, what=segment.uri, device=self.index)
         self.routes["page-locked"] += 1
         return locked
 

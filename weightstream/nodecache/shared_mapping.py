@@ -20,9 +20,12 @@ from weightstream.memory import pinning
 from weightstream.sources.local.raw_mapping import map_file, unmap
 
 
-def map_read_only(fd: int, nbytes: int, *, page_locked: bool = False, what: str = "a segment") -> torch.Tensor:
+def map_read_only(
+    fd: int, nbytes: int, *, page_locked: bool = False, what: str = "a segment", device: int | None = None
+) -> torch.Tensor:
     """``nbytes`` of the file ``fd`` (uint8), mapped shared and read-only, page-locked for every CUDA context if
-    ``page_locked``. Unlocked and unmapped when the last tensor over it dies; ``fd`` may be closed at once.
+    ``page_locked`` (through ``device``'s runtime: see :func:`weightstream.memory.pinning.register`). Unlocked and
+    unmapped when the last tensor over it dies; ``fd`` may be closed at once.
 
     Raises:
         HostMemoryError: the mapping failed; or (``page_locked``) the driver refused to lock it.
@@ -44,7 +47,7 @@ def map_read_only(fd: int, nbytes: int, *, page_locked: bool = False, what: str 
         raise HostMemoryError(f"{what}: cannot map its {nbytes} bytes read-only: {error.strerror}") from None
     try:
         if page_locked:
-            pinning.register(address, nbytes, read_only=True)
+            pinning.register(address, nbytes, read_only=True, device=device)
     except BaseException:
         unmap(address, nbytes)
         raise

@@ -66,7 +66,10 @@ def gpu_uuid(index: int) -> str:
     bindings = driver()
     status, device = bindings.cuDeviceGet(index)
     check(status, f"cuDeviceGet({index})")
-    status, uuid = bindings.cuDeviceGetUuid(device)
+    # A MIG instance's own UUID, not its GPU's (instances of one GPU must not share a key): cuDeviceGetUuid_v2 in
+    # CUDA 12, cuDeviceGetUuid itself in CUDA 13 (where _v2 is gone).
+    get_uuid = getattr(bindings, "cuDeviceGetUuid_v2", bindings.cuDeviceGetUuid)
+    status, uuid = get_uuid(device)
     check(status, f"cuDeviceGetUuid({index})")
     text = bytes(uuid.bytes).hex()
     return f"GPU-{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:32]}"
