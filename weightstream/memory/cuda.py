@@ -47,6 +47,10 @@ class CudaCopyEngine:
     def launch(self, source: torch.Tensor, destination: torch.Tensor) -> CudaCopy:
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             destination.copy_(source, non_blocking=True)
+            # The batch's memory was allocated on the current stream: dropped (a failed or stopped load) while this
+            # copy is in flight, the caching allocator could hand it out again under the copy. Recorded on our
+            # stream, it is reused only once the copy is done.
+            destination.record_stream(self._stream)
             done = torch.cuda.Event()
             done.record(self._stream)
         return CudaCopy(done)
