@@ -6,6 +6,7 @@ segments, and a daemon with ``--device`` whose copies clients map read-only and 
 from __future__ import annotations
 
 import gc
+import json
 import subprocess
 import sys
 import textwrap
@@ -267,3 +268,58 @@ def test_prefetch_makes_the_device_copies_before_the_engine_starts(tmp_path: Pat
         assert ran.returncode == 0, ran.stderr
         (uuid,) = daemon.status["devices"]
         assert stats(daemon.socket)["devices"][uuid]["entries"] == 2
+
+
+CLIENT = """
+import json, sys
+import torch, weightstream
+from cuda.bindings import driver
+torch.zeros(1, device="cuda")
+device = torch.cuda.current_device()
+_, before = driver.cuCtxGetCurrent()
+weights = weightstream.load_weights(sys.argv[1], cache=sys.argv[2], device="cuda", zero_copy=True)
+_, after = driver.cuCtxGetCurrent()
+print(json.dumps({
+    "sums": {name: int(tensor.view(torch.int16).to(torch.int64).sum()) for name, tensor in weights.items()},
+    "same_device": torch.cuda.current_device() == device,
+    "same_context": int(before) == int(after),
+}))
+"""
+
+
+def client(uri: Path, socket_path: Path, visible: str | None = None) -> subprocess.Popen[str]:
+    """A client process loading ``uri`` as views of the daemon's device copies (``CUDA_VISIBLE_DEVICES=visible``)."""
+    import os
+
+    environment = {**os.environ} if visible is None else {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
+    return subprocess.Popen(
+        [sys.executable, "-c", CLIENT, str(uri), str(socket_path)],
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_two_clients_at_once_and_one_naming_the_gpu_by_uuid_share_one_copy_and_keep_their_device(tmp_path: Path):
+    """Two processes importing at once get the same copy, made once; one that names the GPU by UUID in
+    ``CUDA_VISIBLE_DEVICES`` (where the daemon numbers it) finds it too: copies are keyed by UUID. A load leaves the
+    caller's current device and context as they were."""
+    state = llama_state_dict(SHAPE, seed=9)
+    uri = save_hf_sharded(state, tmp_path / "ckpt", shards=2)
+    expected = {name: int(tensor.view(torch.int16).to(torch.int64).sum()) for name, tensor in state.items()}  # exact
+    with running_daemon("gpu", "--device", "cuda:0") as daemon:
+        (uuid,) = daemon.status["devices"]
+        processes = [client(uri, daemon.socket), client(uri, daemon.socket), client(uri, daemon.socket, visible=uuid)]
+        results = []
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=300)
+            assert process.returncode == 0, stderr
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
+        assert stats(daemon.socket)["devices"][uuid]["entries"] == 2, "each file copied once for all three"
+    for result in results:
+        assert result["sums"] == expected
+        assert result["same_device"] and result["same_context"]
