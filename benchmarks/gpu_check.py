@@ -83,6 +83,12 @@ STEPS = (
         lambda out, log: ", ".join(line for line in log.splitlines() if line.startswith(("torch:", "driver_cuda"))),
     ),
     Step(
+        "paths",
+        15,
+        lambda out, dry: python("benchmarks/gpu_paths.py", "--size", "64MiB" if dry else "256MiB"),
+        lambda out, log: f"{log.count(' ok ')} ok, {log.count('FAILED')} failed, {log.count('skipped:')} skipped",
+    ),
+    Step(
         "ring-tests",
         80,
         lambda out, dry: python(

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = [
     "install",
     "stack",
+    "paths",
     "ring-tests",
     "cache-tier-tests",
     "device-window",
