@@ -238,3 +238,7 @@ class CacheInUseError(CacheError, RuntimeError):
 class CacheConfigError(CacheError, ValueError):
     """An option of ``weightstream cache serve`` is invalid (a size, a group, a directory, a device, a timeout):
     refused before anything starts."""
+
+
+class FleetUnavailableError(CacheError, ConnectionError):
+    """The fleet's coordination service (etcd) does not answer, or answers what is not etcd's API."""

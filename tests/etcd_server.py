@@ -1,0 +1,52 @@
+"""A real etcd for the fleet tests: Debian's ``etcd-server`` (3.4), fetched with ``apt-get download`` and unpacked
+into ``~/.cache/weightstream`` on first use, started on loopback ports of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.objstore import _wait_for, free_port, stop, tempfile_directory
+
+PACKAGE = "etcd-server"
+
+
+def etcd_binary() -> str:
+    prefix = Path.home() / ".cache" / "weightstream" / PACKAGE
+    binary = prefix / "usr" / "bin" / "etcd"
+    if not binary.exists():
+        with tempfile_directory() as scratch:
+            subprocess.run(["apt-get", "download", PACKAGE], cwd=scratch, check=True, capture_output=True, timeout=300)
+            (package,) = Path(scratch).glob(f"{PACKAGE}_*.deb")
+            subprocess.run(["dpkg", "-x", str(package), str(prefix)], check=True, capture_output=True, timeout=300)
+    return str(binary)
+
+
+@contextlib.contextmanager
+def etcd_server(directory: Path) -> Iterator[str]:
+    """etcd with its data in ``directory``; yields its client URL (``http://127.0.0.1:PORT``)."""
+    client, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{client}"
+    log = directory / "etcd.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen(
+            [
+                etcd_binary(),
+                "--name", "weightstream-test",
+                "--data-dir", str(directory / "data"),
+                "--listen-client-urls", url,
+                "--advertise-client-urls", url,
+                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-cluster", f"weightstream-test=http://127.0.0.1:{peer}",
+            ],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        _wait_for(f"{url}/health", process, log)
+        yield url
+    finally:
+        stop(process)

@@ -1,0 +1,24 @@
+"""One fleet node for the tests, as a process of its own: joins the fleet at ``ENDPOINT PREFIX`` as ``NODE``, claims
+pieces ``0..PIECES-1`` of ``ENTRY`` and prints the ones it won as JSON; with ``--hold``, it then keeps its lease alive
+until killed."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from weightstream.nodecache.daemon.fleet.claims import Claims
+from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
+from weightstream.nodecache.daemon.fleet.membership import Membership
+
+endpoint, prefix, node, entry, pieces = sys.argv[1:6]
+etcd = EtcdGateway([endpoint])
+member = Membership(etcd, prefix, node, {"address": "127.0.0.1"}, ttl_s=3)
+claims = Claims(etcd, prefix, node, member.lease)
+won = [piece for piece in range(int(pieces)) if claims.claim(entry, piece)[0]]
+print(json.dumps(won), flush=True)
+if "--hold" in sys.argv:
+    while True:
+        time.sleep(1)
+member.close()

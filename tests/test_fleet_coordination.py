@@ -1,0 +1,134 @@
+"""The fleet's coordination through a real etcd (Debian's 3.4, started by the tests): nodes under leases, one claim
+per piece among racing processes, a dead node's claims gone with its lease, a live node's kept past it, two fleets
+on one etcd never mixed, and etcd out of reach a typed error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.etcd_server import etcd_server
+from weightstream.errors import CacheConfigError, FleetUnavailableError
+from weightstream.nodecache.daemon.fleet.claims import Claims
+from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
+from weightstream.nodecache.daemon.fleet.membership import Membership
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory) -> str:
+    with etcd_server(tmp_path_factory.mktemp("etcd")) as url:
+        yield url
+
+
+def claimer(etcd: str, prefix: str, node: str, entry: str, pieces: int, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.fleet_claimer", etcd, prefix, node, entry, str(pieces), *extra],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_racing_nodes_each_piece_is_won_by_exactly_one(etcd: str):
+    processes = [claimer(etcd, "/race", f"node-{n}", "entry-a", 64, "--hold") for n in range(4)]
+    try:
+        won = {f"node-{number}": json.loads(process.stdout.readline()) for number, process in enumerate(processes)}
+    finally:
+        for process in processes:
+            process.kill()
+            process.communicate(timeout=30)
+    claimed = sorted(piece for pieces in won.values() for piece in pieces)
+    assert claimed == list(range(64)), f"a piece claimed twice, or not at all: {won}"
+    holders = Claims(EtcdGateway([etcd]), "/race", "observer", 0).pieces("entry-a")
+    assert {piece: claim["node"] for piece, claim in holders.items()} == {
+        piece: node for node, pieces in won.items() for piece in pieces
+    }
+
+
+def test_a_killed_nodes_claims_expire_with_its_lease_and_a_live_ones_outlast_it(etcd: str):
+    gateway = EtcdGateway([etcd])
+    dying = claimer(etcd, "/expiry", "dying", "entry-b", 4, "--hold")
+    assert json.loads(dying.stdout.readline()) == [0, 1, 2, 3]
+    living = Membership(gateway, "/expiry", "living", {"address": "127.0.0.2"}, ttl_s=3)
+    try:
+        mine = Claims(gateway, "/expiry", "living", living.lease)
+        assert mine.claim("entry-c", 0) == (True, {"node": "living", "state": "claimed"})
+        assert mine.claim("entry-b", 0) == (False, {"node": "dying", "state": "claimed"})
+        dying.kill()
+        dying.communicate(timeout=30)
+        deadline = time.monotonic() + 15
+        while mine.pieces("entry-b") and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert mine.pieces("entry-b") == {}, "a dead node's claims outlived its lease"
+        assert mine.claim("entry-b", 0)[0], "the piece could not be claimed again"
+        assert set(living.peers()) == {"living"}
+        time.sleep(4)  # longer than the lease: the renewing thread keeps it
+        assert mine.pieces("entry-c") == {0: {"node": "living", "state": "claimed"}}
+        mine.done("entry-c", 0, "ab" * 32)
+        assert mine.pieces("entry-c") == {0: {"node": "living", "state": "done", "sha256": "ab" * 32}}
+        mine.release("entry-b", 0)
+        assert mine.pieces("entry-b") == {}
+    finally:
+        living.close()
+    assert gateway.get_prefix("/expiry/") == {}, "leaving the fleet left keys behind"
+
+
+def test_two_fleets_on_one_etcd_never_mix(etcd: str):
+    gateway = EtcdGateway([etcd])
+    first = Membership(gateway, "/fleet-a", "node-1", {"address": "10.0.0.1"})
+    second = Membership(gateway, "/fleet-b", "node-1", {"address": "10.0.0.2"})
+    try:
+        assert Claims(gateway, "/fleet-a", "node-1", first.lease).claim("same-entry", 0)[0]
+        assert Claims(gateway, "/fleet-b", "node-1", second.lease).claim("same-entry", 0)[0]
+        assert first.peers() == {"node-1": {"node": "node-1", "address": "10.0.0.1"}}
+        assert second.peers() == {"node-1": {"node": "node-1", "address": "10.0.0.2"}}
+    finally:
+        first.close()
+        second.close()
+
+
+def test_etcd_out_of_reach_is_a_typed_error_naming_every_endpoint(tmp_path: Path):
+    from tests.objstore import free_port
+
+    endpoints = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    with pytest.raises(FleetUnavailableError) as refused:
+        Membership(EtcdGateway(endpoints), "/nowhere", "node", {})
+    message = str(refused.value)
+    assert message.startswith("no etcd endpoint answered /v3/lease/grant: ")
+    assert all(endpoint in message for endpoint in endpoints) and "ConnectionRefusedError" in message
+    with pytest.raises(CacheConfigError, match=r"etcd endpoint 'etcd\.example:2379': not http://HOST:PORT"):
+        EtcdGateway(["etcd.example:2379"])
+
+
+def test_the_gateway_answers_to_something_else_are_refused(tmp_path: Path):
+    """A server that is not etcd (a plain HTTP server answering HTML) is refused, not taken for an empty store."""
+    import http.server
+    import threading
+
+    class NotEtcd(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>hello</html>")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotEtcd)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(FleetUnavailableError, match=r"/v3/kv/range: HTTP 200, not etcd's JSON: b'<html>hello"):
+            EtcdGateway([f"http://127.0.0.1:{server.server_address[1]}"]).get("/key")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

@@ -1,0 +1,173 @@
+"""etcd's v3 API through its JSON gateway (``POST /v3/kv/range`` and friends, keys and values base64): the
+fleet's coordination store, spoken with the standard library.
+
+Why not a client library: python-etcd3, the one most used, has had no release since 2020 and pins old grpcio and
+protobuf; the gRPC stubs would be a dependency of the daemon for five calls. The gateway is part of every etcd
+(3.4's Debian package included), speaks JSON over HTTP/1.1, and TLS where the endpoint is ``https://``.
+
+Example:
+    >>> etcd = EtcdGateway(["http://127.0.0.1:2379"])  # doctest: +SKIP
+    >>> lease = etcd.grant(10)  # doctest: +SKIP
+    >>> etcd.create("/weightstream/claims/abc/0", b"node-a", lease)  # doctest: +SKIP
+    (True, b'node-a')
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import ssl
+import urllib.parse
+from collections.abc import Mapping, Sequence
+
+from weightstream.errors import CacheConfigError, FleetUnavailableError
+
+REQUEST_TIMEOUT_S = 5.0
+"""A request to etcd that has not answered in this long fails over to the next endpoint."""
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key starting with ``prefix`` (etcd's ``range_end`` for a prefix).
+
+    Example:
+        >>> prefix_end(b"/ws/nodes/")
+        b'/ws/nodes0'
+    """
+    end = bytearray(prefix)
+    while end and end[-1] == 0xFF:
+        end.pop()
+    if not end:
+        return b"\0"
+    end[-1] += 1
+    return bytes(end)
+
+
+class EtcdGateway:
+    """etcd at ``endpoints`` (``http://host:port`` or ``https://``; the first that answers is used, the next on a
+    failure). ``tls`` is the context for ``https://`` endpoints (a CA and, for client certificates, a key pair).
+
+    Raises (any method):
+        FleetUnavailableError: no endpoint answered, or one answered with something other than etcd's JSON.
+    """
+
+    def __init__(self, endpoints: Sequence[str], tls: ssl.SSLContext | None = None) -> None:
+        if not endpoints:
+            raise CacheConfigError("a fleet needs at least one etcd endpoint")
+        self.endpoints = [urllib.parse.urlsplit(endpoint) for endpoint in endpoints]
+        for endpoint, text in zip(self.endpoints, endpoints, strict=True):
+            if endpoint.scheme not in ("http", "https") or not endpoint.hostname:
+                raise CacheConfigError(f"etcd endpoint {text!r}: not http://HOST:PORT or https://HOST:PORT")
+        self.tls = tls
+
+    def grant(self, ttl_s: int) -> int:
+        """A new lease of ``ttl_s`` seconds; its id."""
+        return int(self._call("/v3/lease/grant", {"TTL": ttl_s})["ID"])
+
+    def keepalive(self, lease: int) -> int:
+        """Renew ``lease``; the seconds it has left (0: it had expired, and with it every key it held)."""
+        answer = self._call("/v3/lease/keepalive", {"ID": lease})
+        return int(answer.get("result", answer).get("TTL", 0))
+
+    def revoke(self, lease: int) -> None:
+        """End ``lease`` now: every key it holds is deleted."""
+        self._call("/v3/lease/revoke", {"ID": lease})
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        """Set ``key`` to ``value`` (held by ``lease`` if not 0)."""
+        self._call("/v3/kv/put", {"key": _b64(key.encode()), "value": _b64(value), "lease": lease})
+
+    def get(self, key: str) -> bytes | None:
+        """``key``'s value, or None."""
+        kvs = self._call("/v3/kv/range", {"key": _b64(key.encode())}).get("kvs", [])
+        return _unb64(kvs[0].get("value", "")) if kvs else None
+
+    def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every key under ``prefix`` with its value."""
+        start = prefix.encode()
+        answer = self._call("/v3/kv/range", {"key": _b64(start), "range_end": _b64(prefix_end(start))})
+        return {_unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in answer.get("kvs", [])}
+
+    def delete(self, key: str) -> None:
+        self._call("/v3/kv/deleterange", {"key": _b64(key.encode())})
+
+    def delete_prefix(self, prefix: str) -> None:
+        start = prefix.encode()
+        self._call("/v3/kv/deleterange", {"key": _b64(start), "range_end": _b64(prefix_end(start))})
+
+    def create(self, key: str, value: bytes, lease: int = 0) -> tuple[bool, bytes]:
+        """Set ``key`` to ``value`` only if no key of that name exists (one of any number of callers wins); whether
+        this call did, and the value the key holds now."""
+        encoded = _b64(key.encode())
+        answer = self._call(
+            "/v3/kv/txn",
+            {
+                "compare": [{"key": encoded, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
+                "success": [{"request_put": {"key": encoded, "value": _b64(value), "lease": lease}}],
+                "failure": [{"request_range": {"key": encoded}}],
+            },
+        )
+        if answer.get("succeeded"):
+            return True, value
+        ranges = [
+            response["response_range"] for response in answer.get("responses", []) if "response_range" in response
+        ]
+        kvs = ranges[0].get("kvs", []) if ranges else []
+        return False, _unb64(kvs[0].get("value", "")) if kvs else b""
+
+    def replace(self, key: str, expected: bytes, value: bytes, lease: int = 0) -> bool:
+        """Set ``key`` to ``value`` only if it holds ``expected`` now; whether it did."""
+        encoded = _b64(key.encode())
+        answer = self._call(
+            "/v3/kv/txn",
+            {
+                "compare": [{"key": encoded, "result": "EQUAL", "target": "VALUE", "value": _b64(expected)}],
+                "success": [{"request_put": {"key": encoded, "value": _b64(value), "lease": lease}}],
+            },
+        )
+        return bool(answer.get("succeeded"))
+
+    def _call(self, path: str, body: Mapping[str, object]) -> dict:
+        """POST ``body`` to ``path`` on the first endpoint that answers; its JSON answer."""
+        failures = []
+        payload = json.dumps(body).encode()
+        for endpoint in self.endpoints:
+            connection: http.client.HTTPConnection
+            if endpoint.scheme == "https":
+                context = self.tls or ssl.create_default_context()
+                connection = http.client.HTTPSConnection(
+                    endpoint.hostname, endpoint.port or 2379, timeout=REQUEST_TIMEOUT_S, context=context
+                )
+            else:
+                connection = http.client.HTTPConnection(
+                    endpoint.hostname, endpoint.port or 2379, timeout=REQUEST_TIMEOUT_S
+                )
+            try:
+                connection.request("POST", path, payload, {"Content-Type": "application/json"})
+                response = connection.getresponse()
+                text = response.read()
+            except (OSError, http.client.HTTPException) as error:
+                failures.append(f"{endpoint.geturl()}: {type(error).__name__}: {error}")
+                continue
+            finally:
+                connection.close()
+            try:
+                answer = json.loads(text.splitlines()[0] if text else b"{}")
+            except ValueError:
+                raise FleetUnavailableError(
+                    f"{endpoint.geturl()}{path}: HTTP {response.status}, not etcd's JSON: {text[:200]!r}"
+                ) from None
+            if response.status != 200 or "error" in answer:
+                raise FleetUnavailableError(
+                    f"{endpoint.geturl()}{path}: HTTP {response.status}: {answer.get('error') or answer.get('message')}"
+                )
+            return answer
+        raise FleetUnavailableError(f"no etcd endpoint answered {path}: {'; '.join(failures)}")
