@@ -242,3 +242,7 @@ class CacheConfigError(CacheError, ValueError):
 
 class FleetUnavailableError(CacheError, ConnectionError):
     """The fleet's coordination service (etcd) does not answer, or answers what is not etcd's API."""
+
+
+class FleetPeerError(CacheError, ConnectionError):
+    """A peer did not serve a piece: it went away, stalled past the bound, or its bytes failed their check."""
