@@ -1,10 +1,9 @@
 """A fleet node serving one segment to its peers, as a process of its own: publishes the file ``PATH`` with a NIXL
-agent named ``NODE``, writes what a peer needs (agent metadata, where the segment is) as JSON to ``INFO``, then serves
-until killed."""
+agent named ``NODE``, writes what a peer needs (where the segment is, the metadata to reach it) as JSON to ``INFO``,
+then serves until killed."""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import sys
@@ -18,7 +17,7 @@ fd = os.open(path, os.O_RDONLY)
 where = server.publish("segment", fd, os.fstat(fd).st_size)
 os.close(fd)
 with open(info + ".tmp", "w") as file:
-    json.dump({"metadata": base64.b64encode(server.metadata()).decode(), "where": where}, file)
+    json.dump(where, file)
 os.replace(info + ".tmp", info)
 while True:
     time.sleep(1)

@@ -4,7 +4,6 @@ error, a peer's published memory not writable by another, NIXL's absence a typed
 
 from __future__ import annotations
 
-import base64
 import ctypes
 import hashlib
 import json
@@ -44,8 +43,7 @@ class Holder:
             assert self.process.poll() is None, self.process.stderr.read()  # type: ignore[union-attr]
             assert time.monotonic() < deadline, "the holder did not publish its segment"
             time.sleep(0.05)
-        said = json.loads(self.info.read_text())
-        self.metadata, self.where = base64.b64decode(said["metadata"]), said["where"]
+        self.where = json.loads(self.info.read_text())
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -78,12 +76,12 @@ def test_pieces_read_from_a_peer_are_its_bytes_checked_against_their_digest(segm
         for number in range(4):
             start = number * piece
             expected = hashlib.sha256(data[start : start + piece]).hexdigest()
-            fetcher.read("holder-a", holder.metadata, holder.where, start, piece, address + start, expected)
+            fetcher.read("holder-a", holder.where, start, piece, address + start, expected)
         assert bytes(buffer) == data
         with pytest.raises(FleetPeerError, match=r"^holder-a: bytes 0\.\.16777216 hash to [0-9a-f]{16}\.\.\., not the"):
-            fetcher.read("holder-a", holder.metadata, holder.where, 0, piece, address, "0" * 64)
+            fetcher.read("holder-a", holder.where, 0, piece, address, "0" * 64)
         with pytest.raises(FleetPeerError, match=r"bytes 67108864\.\.67108865 lie outside its 67108864-byte segment"):
-            fetcher.read("holder-a", holder.metadata, holder.where, 64 * MIB, 1, address)
+            fetcher.read("holder-a", holder.where, 64 * MIB, 1, address)
     finally:
         holder.kill()
 
@@ -93,13 +91,13 @@ def test_a_peer_killed_is_a_typed_error_not_a_wait(segment, destination):
     _, address = destination
     holder = Holder(path, "holder-b")
     fetcher = PieceFetcher("reader-b", timeout_s=10)
-    fetcher.read("holder-b", holder.metadata, holder.where, 0, MIB, address)
+    fetcher.read("holder-b", holder.where, 0, MIB, address)
     holder.kill()
     started = time.monotonic()
     with pytest.raises(
         FleetPeerError, match=r"^holder-b: (the read of bytes 0\.\.16777216 failed|bytes 0\.\.16777216 not)"
     ):
-        fetcher.read("holder-b", holder.metadata, holder.where, 0, 16 * MIB, address)
+        fetcher.read("holder-b", holder.where, 0, 16 * MIB, address)
     assert time.monotonic() - started < 15
 
 
@@ -111,7 +109,7 @@ def test_a_peers_published_memory_is_not_writable_by_another(segment, destinatio
         api = transfer.nixl()
         agent = api.nixl_agent("writer-c", api.nixl_agent_config(backends=["UCX"]))
         agent.register_memory([(address, MIB, 0, "")], "DRAM")
-        name = agent.add_remote_agent(holder.metadata)
+        name = agent.add_remote_agent(bytes.fromhex(holder.where["metadata"]))
         written = "ERR"
         try:
             handle = agent.initialize_xfer(

@@ -11,7 +11,7 @@ Example:
     >>> server = PieceServer("node-a")  # doctest: +SKIP
     >>> where = server.publish("3f2a...", segment_fd, size)  # doctest: +SKIP
     >>> fetcher = PieceFetcher("node-b")  # doctest: +SKIP
-    >>> fetcher.read("node-a", server.metadata(), where, 0, 64 << 20, destination_address)  # doctest: +SKIP
+    >>> fetcher.read("node-a", where, 0, 64 << 20, destination_address)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib
+import logging
 import mmap
+import os
+import sys
 import threading
 import time
 from types import ModuleType
@@ -43,10 +46,22 @@ def nixl() -> ModuleType:
     """
     for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
         try:
-            return importlib.import_module(name)
+            api = importlib.import_module(name)
         except ImportError:
             continue
+        _quiet(logging.getLogger("nixl"))
+        return api
     raise CacheConfigError(f"--fleet needs NIXL, which is not installed: {INSTALL_HINT}")
+
+
+def _quiet(nixl_logger: logging.Logger) -> None:
+    """NIXL logs every agent's start at INFO on stdout, where the daemon prints its status as JSON: its lines go to
+    stderr, warnings and worse (``NIXL_LOG_LEVEL`` still decides where it is set)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("NIXL %(levelname)s %(message)s"))
+    nixl_logger.handlers[:] = [handler]
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        nixl_logger.setLevel(logging.WARNING)
 
 
 def _agent(name: str) -> object:
@@ -63,12 +78,9 @@ class PieceServer:
         self._published: dict[str, tuple[int, int, object]] = {}
         self._lock = threading.Lock()
 
-    def metadata(self) -> bytes:
-        """What a peer needs to reach this node's agent (published in the fleet's etcd with the node)."""
-        return bytes(self._agent.get_agent_metadata())  # type: ignore[attr-defined]
-
-    def publish(self, key: str, fd: int, size: int) -> dict[str, int]:
-        """Offer segment ``key`` (the file ``fd``, ``size`` bytes) to peers; where they read it."""
+    def publish(self, key: str, fd: int, size: int) -> dict[str, object]:
+        """Offer segment ``key`` (the file ``fd``, ``size`` bytes) to peers; where they read it: its address, its size
+        and the agent metadata a peer loads to reach it (this registration and how to connect, hex)."""
         address = map_file(fd, size, mmap.PROT_READ)
         try:
             registration = self._agent.register_memory([(address, size, 0, "")], "DRAM")  # type: ignore[attr-defined]
@@ -77,7 +89,8 @@ class PieceServer:
             raise
         with self._lock:
             self._published[key] = (address, size, registration)
-        return {"address": address, "size": size}
+        metadata = self._agent.get_partial_agent_metadata(registration, True)  # type: ignore[attr-defined]
+        return {"address": address, "size": size, "metadata": bytes(metadata).hex()}
 
     def withdraw(self, key: str) -> None:
         """Stop offering segment ``key`` (evicted): peers reading it from now on fail and go elsewhere."""
@@ -100,37 +113,37 @@ class PieceFetcher:
         self.node, self.timeout_s = node, timeout_s
         self._agent = _agent(node)
         self._peers: dict[str, str] = {}
+        self._loaded: set[tuple[str, int]] = set()
+        """(peer, address) of each published segment whose metadata this agent has loaded."""
         self._lock = threading.Lock()
 
     def read(
         self,
         peer: str,
-        metadata: bytes,
-        where: dict[str, int],
+        where: dict[str, object],
         offset: int,
         nbytes: int,
         destination: int,
         sha256: str | None = None,
     ) -> None:
-        """Read ``nbytes`` at ``offset`` of the segment ``peer`` published at ``where`` into memory at
-        ``destination`` (this process's), and check them against ``sha256`` where given.
+        """Read ``nbytes`` at ``offset`` of the segment ``peer`` published as ``where`` (:meth:`PieceServer.publish`'s
+        answer) into memory at ``destination`` (this process's), and check them against ``sha256`` where given.
 
         Raises:
             FleetPeerError: the peer failed, stalled past the timeout, or the bytes are not the piece.
         """
-        if offset < 0 or offset + nbytes > where["size"]:
-            raise FleetPeerError(
-                f"{peer}: bytes {offset}..{offset + nbytes} lie outside its {where['size']}-byte segment"
-            )
+        size, remote_address = int(where["size"]), int(where["address"])  # type: ignore[call-overload]
+        if offset < 0 or offset + nbytes > size:
+            raise FleetPeerError(f"{peer}: bytes {offset}..{offset + nbytes} lie outside its {size}-byte segment")
         agent = self._agent
-        name = self._remote(peer, metadata)
+        name = self._remote(peer, remote_address, bytes.fromhex(str(where["metadata"])))
         local = agent.register_memory([(destination, nbytes, 0, "")], "DRAM")  # type: ignore[attr-defined]
         try:
             started = time.monotonic()
             handle = agent.initialize_xfer(  # type: ignore[attr-defined]
                 "READ",
                 agent.get_xfer_descs([(destination, nbytes, 0)], "DRAM"),  # type: ignore[attr-defined]
-                agent.get_xfer_descs([(where["address"] + offset, nbytes, 0)], "DRAM"),  # type: ignore[attr-defined]
+                agent.get_xfer_descs([(remote_address + offset, nbytes, 0)], "DRAM"),  # type: ignore[attr-defined]
                 name,
             )
             try:
@@ -161,15 +174,18 @@ class PieceFetcher:
                 )
 
     def forget(self, peer: str) -> None:
-        """Drop what is known of ``peer``'s agent (it left, or restarted with new metadata)."""
+        """Drop what is known of ``peer``'s agent (it left, or restarted): the next read loads it again."""
         with self._lock:
             name = self._peers.pop(peer, None)
+            self._loaded = {loaded for loaded in self._loaded if loaded[0] != peer}
         if name is not None:
             self._agent.remove_remote_agent(name)  # type: ignore[attr-defined]
 
-    def _remote(self, peer: str, metadata: bytes) -> str:
+    def _remote(self, peer: str, address: int, metadata: bytes) -> str:
+        """``peer``'s agent name, with the registration at ``address`` known (its metadata loaded once)."""
         with self._lock:
-            if peer not in self._peers:
+            if (peer, address) not in self._loaded:
                 name = self._agent.add_remote_agent(metadata)  # type: ignore[attr-defined]
                 self._peers[peer] = name.decode() if isinstance(name, bytes) else str(name)
+                self._loaded.add((peer, address))
             return self._peers[peer]

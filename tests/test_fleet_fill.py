@@ -1,0 +1,108 @@
+"""Fleet fill between real processes: N nodes (each a process with its own NIXL agent, etcd membership and lease)
+filling the same file from a counting HTTP origin read it from the origin about once, each ends with the origin's
+bytes, a node that comes later reads nothing from the origin, and a peer serving bad bytes is caught, its pieces read
+from the origin again and counted."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nixl_cu12", reason="the fleet's data plane needs NIXL (pip install 'weightstream[fleet]')")
+
+from tests.etcd_server import etcd_server
+from tests.rangeserver import RangeServer
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+PIECE = 8 * MIB
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory) -> str:
+    with etcd_server(tmp_path_factory.mktemp("etcd")) as url:
+        yield url
+
+
+class Node:
+    def __init__(self, etcd: str, prefix: str, name: str, url: str, output: Path, *extra: str) -> None:
+        self.output = output
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.fleet_node", etcd, prefix, name, url, str(output)]
+            + ["--piece-bytes", str(PIECE), *extra],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+
+    def stats(self) -> dict[str, int]:
+        line = self.process.stdout.readline()  # type: ignore[union-attr]
+        assert line, self.process.stderr.read()  # type: ignore[union-attr]
+        return json.loads(line)
+
+    def leave(self) -> None:
+        self.process.stdin.close()  # type: ignore[union-attr]
+        code = self.process.wait(timeout=60)
+        said = self.process.stderr.read()  # type: ignore[union-attr]
+        self.process.stdout.close()  # type: ignore[union-attr]
+        self.process.stderr.close()  # type: ignore[union-attr]
+        assert code == 0, said
+
+
+def origin_bytes(server: RangeServer) -> int:
+    """Bytes of range GETs the origin answered."""
+    ranges = [re.search(r"bytes=(\d+)-(\d+)", line) for line in server.requests if line.startswith("GET")]
+    return sum(int(match[2]) - int(match[1]) + 1 for match in ranges if match)
+
+
+@pytest.fixture
+def origin(tmp_path: Path):
+    data = os.urandom(MIB) * 40 + os.urandom(8 * MIB)  # 48 MiB: six pieces
+    (tmp_path / "origin").mkdir()
+    (tmp_path / "origin" / "model.safetensors").write_bytes(data)
+    with RangeServer(tmp_path / "origin") as server:
+        yield server, f"{server.url}/model.safetensors", data
+
+
+def test_a_storm_of_three_reads_the_origin_once_and_a_late_joiner_not_at_all(etcd: str, origin, tmp_path: Path):
+    server, url, data = origin
+    nodes = [Node(etcd, "/storm", f"node-{n}", url, tmp_path / f"node-{n}") for n in range(3)]
+    stats = [node.stats() for node in nodes]
+    try:
+        assert all(node.output.read_bytes() == data for node in nodes)
+        assert sum(s["origin_bytes"] for s in stats) == len(data), stats
+        assert sum(s["peer_bytes"] for s in stats) == 2 * len(data), stats
+        assert origin_bytes(server) <= 1.1 * len(data), f"the origin served {origin_bytes(server)} bytes"
+        before = origin_bytes(server)
+        late = Node(etcd, "/storm", "late", url, tmp_path / "late")
+        joined = late.stats()
+        assert late.output.read_bytes() == data
+        assert (joined["origin_bytes"], joined["peer_bytes"]) == (0, len(data)), joined
+        assert origin_bytes(server) == before, "the late joiner read from the origin"
+        late.leave()
+    finally:
+        for node in nodes:
+            node.leave()
+
+
+def test_a_peer_serving_bad_bytes_is_caught_and_its_piece_read_again(etcd: str, origin, tmp_path: Path):
+    _, url, data = origin
+    bad = Node(etcd, "/corrupt", "bad", url, tmp_path / "bad", "--corrupt")
+    assert bad.stats()["origin_bytes"] == len(data)
+    try:
+        good = Node(etcd, "/corrupt", "good", url, tmp_path / "good")
+        filled = good.stats()
+        assert good.output.read_bytes() == data, "a corrupted piece was kept"
+        assert filled["peer_failures"] == 1 and filled["refetched_bytes"] == PIECE, filled
+        assert filled["peer_bytes"] == len(data) - PIECE
+        good.leave()
+    finally:
+        bad.leave()
