@@ -24,6 +24,7 @@ from weightstream.terminal import printable
 
 if TYPE_CHECKING:
     from weightstream.checkpoint.node_cache import NodeCache
+    from weightstream.nodecache.daemon.fleet.node import FleetNode
 
 
 def add_cache_commands(
@@ -72,6 +73,18 @@ def add_cache_commands(
         help="most bytes of copies kept on each --device GPU, least recently used evicted first (default: as many as "
         "fit)",
     )
+    serve.add_argument(
+        "--fleet",
+        action="append",
+        default=None,
+        metavar="etcd://HOST:PORT/PREFIX",
+        help="fill remote files with the other caches of this etcd prefix, over NIXL (repeatable: one per etcd "
+        "member; etcds:// for TLS; needs weightstream[fleet])",
+    )
+    serve.add_argument("--fleet-node", default=None, help="this node's name in the fleet (default: the host name)")
+    serve.add_argument("--fleet-ca", default=None, metavar="PEM", help="etcds://: the CA to trust")
+    serve.add_argument("--fleet-cert", default=None, metavar="PEM", help="etcds://: this node's client certificate")
+    serve.add_argument("--fleet-key", default=None, metavar="PEM", help="etcds://: its private key")
     serve.add_argument(
         "--idle-timeout",
         type=_seconds,
@@ -168,7 +181,22 @@ def _serve(args: argparse.Namespace) -> int:
         devices=args.device,
         device_budget=args.device_budget,
         default_socket=args.socket is None and not os.environ.get(ENVIRONMENT),
+        fleet=_fleet(args),
     )
+
+
+def _fleet(args: argparse.Namespace) -> Callable[[], FleetNode] | None:
+    """How this daemon joins the fleet ``--fleet`` names (after its own checks, before it listens)."""
+    if not args.fleet:
+        if args.fleet_node or args.fleet_ca or args.fleet_cert or args.fleet_key:
+            raise CacheConfigError("--fleet-node, --fleet-ca, --fleet-cert and --fleet-key need --fleet")
+        return None
+    import socket
+
+    from weightstream.nodecache.daemon.fleet.node import FleetNode, parse_fleet, tls_context
+
+    address, context = parse_fleet(args.fleet), tls_context(args.fleet_ca, args.fleet_cert, args.fleet_key)
+    return lambda: FleetNode.join(address, args.fleet_node or socket.gethostname(), context)
 
 
 def _cache(args: argparse.Namespace) -> NodeCache:
@@ -256,6 +284,7 @@ def run_daemon(
     devices: list[str] | None = None,
     device_budget: int | None = None,
     default_socket: bool = False,
+    fleet: Callable[[], FleetNode] | None = None,
 ) -> int:
     """``weightstream cache serve``: run in the foreground until SIGTERM; 0 on a clean stop. With
     ``default_socket``, the socket's directory (``/run/weightstream``, ``/tmp/weightstream-<uid>``) is made if
@@ -272,17 +301,24 @@ def run_daemon(
         socket_directory(os.path.dirname(socket_path), group)
     if budget is not None:
         budget = clamp_budget(budget, directory)
-    daemon = CacheDaemon(
-        directory,
-        socket_path,
-        budget,
-        group=group,
-        idle_timeout_s=idle_timeout_s,
-        stop_timeout_s=stop_timeout_s,
-        huge_pages=huge_pages,
-        devices=devices,
-        device_budget=device_budget,
-    )
+    member = None if fleet is None else fleet()
+    try:
+        daemon = CacheDaemon(
+            directory,
+            socket_path,
+            budget,
+            group=group,
+            idle_timeout_s=idle_timeout_s,
+            stop_timeout_s=stop_timeout_s,
+            huge_pages=huge_pages,
+            devices=devices,
+            device_budget=device_budget,
+            fleet=member,
+        )
+    except BaseException:
+        if member is not None:
+            member.close()
+        raise
     daemon.install_signal_handlers()
     daemon.serve(on_ready=(lambda: print(json.dumps(daemon.status()), flush=True)) if status else None)
     return 0

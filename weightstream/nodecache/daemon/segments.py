@@ -27,6 +27,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from weightstream.errors import CacheConfigError, CacheError, CacheUnavailableError, FormatError, logger, redact
 from weightstream.formats.strict_json import parse_json
@@ -34,9 +35,13 @@ from weightstream.nodecache.daemon.directory import MARKER, is_cache_file
 from weightstream.nodecache.daemon.limits import MEMORY_RESERVE_BYTES, cgroup_room, mem_available, tmpfs_huge_pages
 from weightstream.nodecache.daemon.references import KEY, references
 from weightstream.nodecache.protocol import HEAD_BYTES, head_digest
+from weightstream.sources import REMOTE_SCHEMES
 from weightstream.sources.base import CheckedWhole, Source
 from weightstream.sources.local.file import DIRECT_ALIGNMENT
 from weightstream.sources.local.raw_mapping import advise, map_file, unmap
+
+if TYPE_CHECKING:
+    from weightstream.nodecache.daemon.fleet.node import FleetNode
 
 log = logger(__name__)
 
@@ -181,8 +186,16 @@ class SegmentStore:
     def path(self, key: str) -> str:
         return os.path.join(self.directory, f"{key}.seg")
 
-    def fill(self, key: str, source: Source, threads: int, cancel: threading.Event | None = None) -> Segment:
-        """Read ``source`` whole into a new segment ``key`` and publish it (file, then manifest).
+    def fill(
+        self,
+        key: str,
+        source: Source,
+        threads: int,
+        cancel: threading.Event | None = None,
+        fleet: FleetNode | None = None,
+    ) -> Segment:
+        """Read ``source`` whole into a new segment ``key`` and publish it (file, then manifest); with ``fleet``, a
+        remote source's pieces come from the fleet's nodes where one has them.
 
         Safe to run outside the daemon's lock: it writes only its own temporary file until it renames it.
         On any error the temporary file is removed and nothing is published. Once ``cancel`` is set, reads not yet
@@ -193,7 +206,10 @@ class SegmentStore:
         fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
-                if source.size:
+                if source.size and fleet is not None and source.uri.startswith(REMOTE_SCHEMES):
+                    os.ftruncate(fd, source.size)
+                    fleet.fill(key, source, fd, threads, cancel)
+                elif source.size:
                     # Direct reads fill whole blocks: the file is padded while it fills, then cut to its size.
                     padded = -(-source.size // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT if source.direct else source.size
                     os.ftruncate(fd, padded)

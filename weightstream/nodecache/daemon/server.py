@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from weightstream.errors import (
     CacheError,
@@ -50,6 +51,9 @@ from weightstream.nodecache.daemon.segments import Segment, SegmentStore
 from weightstream.nodecache.daemon.stores import StorePool
 from weightstream.nodecache.protocol import MAX_REQUEST_BYTES, check_request, close_all, error_answer, receive, send
 from weightstream.sources.base import Source
+
+if TYPE_CHECKING:
+    from weightstream.nodecache.daemon.fleet.node import FleetNode
 
 log = logger(__name__)
 
@@ -75,8 +79,9 @@ class CacheDaemon:
         devices: list[str] | None = None,
         device_budget: int | None = None,
         stop_timeout_s: float = 30.0,
+        fleet: FleetNode | None = None,
     ) -> None:
-        self.socket_path = socket_path
+        self.socket_path, self.fleet = socket_path, fleet
         self.group = group
         self.fill_threads = fill_threads
         self.idle_timeout_s = idle_timeout_s
@@ -101,15 +106,8 @@ class CacheDaemon:
         self._cancel_fills = threading.Event()
         """Set when fills outlast ``stop_timeout_s`` at shutdown: their reads not yet started raise."""
         self._listener: socket.socket | None = None
-        self.counters = {
-            "attaches": 0,
-            "hits": 0,
-            "fills": 0,
-            "fill_errors": 0,
-            "bytes_filled": 0,
-            "refused_clients": 0,
-            "bad_requests": 0,
-        }
+        names = ("attaches", "hits", "fills", "fill_errors", "bytes_filled", "refused_clients", "bad_requests")
+        self.counters = dict.fromkeys(names, 0)
 
     def serve(self, on_ready: Callable[[], None] | None = None) -> None:
         """Listen and answer until :meth:`stop` (or SIGTERM where :meth:`install_signal_handlers` ran);
@@ -180,6 +178,7 @@ class CacheDaemon:
             "stores": len(self.stores),
             "clients": len(self._connections),
             "devices": {} if self.devices is None else self.devices.status(),
+            "fleet": None if self.fleet is None else self.fleet.status(),
             **counters,
         }
 
@@ -346,13 +345,15 @@ class CacheDaemon:
                 os.close(fd)
 
     def _evicted(self, key: str) -> None:
-        """A segment left the cache: so do its device copies."""
+        """A segment left the cache: so do its device copies, and the fleet's offer of it."""
         if self.devices is not None:
             self.devices.drop(key)
+        if self.fleet is not None:
+            self.fleet.evicted(key)
 
     def _fill(self, key: str, source: Source) -> Segment:
         try:
-            segment = self.segments.fill(key, source, self.fill_threads, self._cancel_fills)
+            segment = self.segments.fill(key, source, self.fill_threads, self._cancel_fills, self.fleet)
         except BaseException as error:
             self._count("fill_errors")
             log.warning("fill of %s (%s) failed: %s: %s", key, source.uri, type(error).__name__, error)
@@ -389,6 +390,8 @@ class CacheDaemon:
             thread.join(timeout=self.stop_timeout_s)
 
     def _release(self) -> None:
+        if self.fleet is not None:
+            self.fleet.close()
         self.stores.close()
         if self.devices is not None:
             self.devices.close()

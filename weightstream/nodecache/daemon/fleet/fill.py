@@ -191,6 +191,12 @@ class FleetFill:
         stats.pieces_verified += 1
         return True
 
+    def forget(self, entry: str) -> None:
+        """This node no longer holds ``entry`` (evicted): peers stop looking for it here."""
+        self.server.withdraw(entry)
+        self.etcd.delete(self._key("complete", entry, self.node))
+        self.etcd.delete(self._key("segments", entry, self.node))
+
     def _complete_holders(self, entry: str) -> list[str]:
         """The other nodes holding the whole entry."""
         prefix = self._key("complete", entry) + "/"

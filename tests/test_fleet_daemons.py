@@ -1,0 +1,93 @@
+"""Cache daemons in a fleet, as real processes (`weightstream cache serve --fleet etcd://...`): loads through three
+daemons at once read the file from a counting HTTP origin about once, a daemon joining later reads nothing from it,
+every load is the origin's bytes, and `stats` says where each daemon's bytes came from."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nixl_cu12", reason="the fleet's data plane needs NIXL (pip install 'weightstream[fleet]')")
+
+from safetensors.torch import save_file
+
+import weightstream
+from tests.cache_daemon import Daemon, remove, stats
+from tests.cache_daemon import places as cache_places
+from tests.conftest import assert_same
+from tests.etcd_server import etcd_server
+from tests.rangeserver import RangeServer
+from weightstream.bench.demo import LlamaShape, llama_state_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def origin_bytes(server: RangeServer) -> int:
+    ranges = [re.search(r"bytes=(\d+)-(\d+)", line) for line in server.requests if line.startswith("GET")]
+    return sum(int(match[2]) - int(match[1]) + 1 for match in ranges if match)
+
+
+def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Path):
+    state = llama_state_dict(LlamaShape(hidden=1024, intermediate=2816, layers=2, vocab=4000), seed=12)
+    (tmp_path / "origin").mkdir()
+    save_file(state, str(tmp_path / "origin" / "model.safetensors"))
+    size = (tmp_path / "origin" / "model.safetensors").stat().st_size
+    daemons: list[Daemon] = []
+    places = []
+    with etcd_server(tmp_path) as etcd, RangeServer(tmp_path / "origin") as origin:
+        fleet = etcd.replace("http://", "etcd://") + "/daemons"
+        try:
+            for number in range(4):
+                places.append(cache_places(f"fleet{number}"))
+                daemon = Daemon(*places[-1], "--fleet", fleet, "--fleet-node", f"node-{number}")
+                daemons.append(daemon.start())
+            url = f"{origin.url}/model.safetensors"
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                loads = [
+                    pool.submit(weightstream.load_weights, url, cache=str(daemon.socket)) for daemon in daemons[:3]
+                ]
+                for load in loads:
+                    assert_same(load.result(), state)
+            served = origin_bytes(origin)
+            assert served <= 1.1 * size, f"the origin served {served / size:.2f}x the file to three daemons"
+            fleets = [stats(daemon.socket)["fleet"] for daemon in daemons[:3]]
+            assert sum(f["origin_bytes"] for f in fleets) == size, fleets
+            assert sum(f["peer_bytes"] for f in fleets) == 2 * size, fleets
+            assert_same(weightstream.load_weights(url, cache=str(daemons[3].socket)), state)
+            late = stats(daemons[3].socket)["fleet"]
+            assert (late["origin_bytes"], late["peer_bytes"]) == (0, size), late
+            assert origin_bytes(origin) == served, "the late daemon read from the origin"
+        finally:
+            for daemon in daemons:
+                daemon.stop()
+            for directory, socket_path in places:
+                remove(directory, socket_path)
+
+
+def test_a_fleet_without_etcd_is_refused_at_start(tmp_path: Path):
+    from tests.objstore import free_port
+
+    directory, socket_path = cache_places("fleetless")
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "weightstream.cli", "cache", "serve", "--dir", str(directory), "--socket",
+             str(socket_path), "--fleet", f"etcd://127.0.0.1:{free_port()}/nowhere"],
+            capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+        )  # fmt: skip
+        assert result.returncode == 1
+        assert result.stderr.startswith("weightstream: error: no etcd endpoint answered /v3/lease/grant: ")
+        assert not os.path.exists(socket_path)
+        bad = subprocess.run(
+            [sys.executable, "-m", "weightstream.cli", "cache", "serve", "--dir", str(directory), "--socket",
+             str(socket_path), "--fleet", "http://127.0.0.1:2379"],
+            capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+        )  # fmt: skip
+        assert bad.returncode == 1 and "not etcd://HOST:PORT[/PREFIX]" in bad.stderr
+    finally:
+        remove(directory, socket_path)

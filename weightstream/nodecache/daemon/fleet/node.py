@@ -1,0 +1,162 @@
+"""The cache daemon as a member of a fleet (``cache serve --fleet etcd://HOST:PORT/PREFIX``): its fills of remote
+files go through :class:`~weightstream.nodecache.daemon.fleet.fill.FleetFill`, its evictions withdraw what it
+offered, and ``stats`` counts where the bytes came from. Local files are never shared: a path names a file on this
+node only.
+
+Example:
+    >>> fleet = FleetNode.join(["etcd://10.0.0.2:2379/weightstream"], "node-a")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import mmap
+import ssl
+import threading
+import urllib.parse
+from collections.abc import Sequence
+
+from weightstream.errors import CacheConfigError, CacheUnavailableError, FleetUnavailableError, logger
+from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
+from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill
+from weightstream.nodecache.daemon.fleet.membership import Membership
+from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, nixl
+from weightstream.sources.base import Source
+from weightstream.sources.local.raw_mapping import map_file, unmap
+
+log = logger(__name__)
+
+ORIGIN_CHUNK_BYTES = 16 << 20
+"""A piece read from the origin is this many parallel range reads (a remote store wants several in flight)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetAddress:
+    """Where a fleet coordinates: etcd's endpoints and the key prefix its nodes share."""
+
+    endpoints: tuple[str, ...]
+    prefix: str
+
+
+def parse_fleet(urls: Sequence[str]) -> FleetAddress:
+    """``--fleet`` URLs (``etcd://HOST:PORT[/PREFIX]``, ``etcds://`` for TLS; repeatable: one per etcd member, one
+    prefix for all) as endpoints and a prefix (default ``/weightstream``).
+
+    Raises:
+        CacheConfigError: a URL of another scheme, without a host, or prefixes that differ.
+
+    Example:
+        >>> parse_fleet(["etcd://10.0.0.2:2379/models", "etcd://10.0.0.3:2379/models"])
+        FleetAddress(endpoints=('http://10.0.0.2:2379', 'http://10.0.0.3:2379'), prefix='/models')
+    """
+    endpoints, prefixes = [], set()
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("etcd", "etcds") or not parts.hostname:
+            raise CacheConfigError(f"--fleet {url!r}: not etcd://HOST:PORT[/PREFIX] (or etcds:// with TLS)")
+        scheme = "https" if parts.scheme == "etcds" else "http"
+        endpoints.append(f"{scheme}://{parts.hostname}:{parts.port or 2379}")
+        prefixes.add("/" + parts.path.strip("/") if parts.path.strip("/") else "/weightstream")
+    if len(prefixes) != 1:
+        raise CacheConfigError(f"--fleet: one prefix for every endpoint, got {sorted(prefixes)}")
+    return FleetAddress(tuple(endpoints), prefixes.pop())
+
+
+def tls_context(ca: str | None, certificate: str | None, key: str | None) -> ssl.SSLContext | None:
+    """The TLS context for ``etcds://`` endpoints (a CA to trust, a client certificate), or None for the default."""
+    if ca is None and certificate is None:
+        return None
+    try:
+        context = ssl.create_default_context(cafile=ca)
+        if certificate is not None:
+            context.load_cert_chain(certificate, key)
+    except (OSError, ssl.SSLError) as error:
+        raise CacheConfigError(f"--fleet TLS files: {error}") from None
+    return context
+
+
+class FleetNode:
+    """This daemon in the fleet: membership, the pieces it offers and fetches, and its fills' counts."""
+
+    def __init__(self, fill: FleetFill, membership: Membership, server: PieceServer) -> None:
+        self._fill, self.membership, self.server = fill, membership, server
+        self.counters = {"origin_bytes": 0, "peer_bytes": 0, "refetched_bytes": 0, "pieces_verified": 0,
+                         "peer_failures": 0, "fills_without_fleet": 0}  # fmt: skip
+        self._lock = threading.Lock()
+
+    @classmethod
+    def join(cls, address: FleetAddress, node: str, tls: ssl.SSLContext | None = None) -> FleetNode:
+        """Join the fleet at ``address`` as ``node``.
+
+        Raises:
+            CacheConfigError: NIXL is not installed (with the hint).
+            FleetUnavailableError: etcd does not answer.
+        """
+        nixl()
+        etcd = EtcdGateway(address.endpoints, tls)
+        membership = Membership(etcd, address.prefix, node, {})
+        server = PieceServer(node)
+        return cls(FleetFill(membership, PieceFetcher(node), server), membership, server)
+
+    def fill(
+        self,
+        key: str,
+        source: Source,
+        fd: int,
+        threads: int,
+        cancel: threading.Event | None,
+    ) -> None:
+        """Fill the file ``fd`` (``source.size`` bytes long already) with ``source``'s bytes, with the fleet's help;
+        from the origin alone where etcd went away (logged)."""
+
+        def read_origin(offset: int, nbytes: int, into: int) -> None:
+            with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="weightstream-fleet-origin") as pool:
+                end = offset + nbytes
+                reads = [
+                    pool.submit(_read, source, at, min(ORIGIN_CHUNK_BYTES, end - at), into + at - offset, cancel)
+                    for at in range(offset, end, ORIGIN_CHUNK_BYTES)
+                ]
+                for read in reads:
+                    read.result()
+
+        try:
+            stats = self._fill.fill(key, fd, source.size, read_origin)
+        except FleetUnavailableError as error:
+            log.warning("%s: the fleet's etcd went away (%s): filling from the origin alone", source.uri, error)
+            address = map_file(fd, source.size, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                read_origin(0, source.size, address)
+            finally:
+                unmap(address, source.size)
+            stats = FillStats(origin_bytes=source.size)
+            self._count("fills_without_fleet", 1)
+        for name, value in dataclasses.asdict(stats).items():
+            self._count(name, value)
+
+    def evicted(self, key: str) -> None:
+        """Stop offering segment ``key``."""
+        try:
+            self._fill.forget(key)
+        except FleetUnavailableError as error:
+            log.warning("fleet: %s evicted, but etcd was not told (%s): its keys go with this node's lease", key, error)
+
+    def status(self) -> dict[str, object]:
+        with self._lock:
+            return {"node": self.membership.node, **self.counters}
+
+    def close(self) -> None:
+        """Leave the fleet (the lease revoked: every claim and offer of this node goes with it)."""
+        self.membership.close()
+        self.server.close()
+
+    def _count(self, name: str, value: int) -> None:
+        with self._lock:
+            self.counters[name] += value
+
+
+def _read(source: Source, offset: int, nbytes: int, address: int, cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise CacheUnavailableError(f"{source.uri}: the cache daemon is stopping; its fill was cancelled")
+    source.read_into(offset, memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B"))
