@@ -182,8 +182,8 @@ def test_the_example_runs_as_written(block: Block, fixtures: Path, cache_socket:
 
 def test_few_examples_are_left_unrun():
     unrun = [str(block) for block in BLOCKS if block.directive.startswith("not run")]
-    assert len(unrun) <= 8, unrun
-    assert len(BLOCKS) - len(unrun) >= 2 * len(unrun), "most examples run"
+    assert len(unrun) <= 9, unrun
+    assert 2 * (len(BLOCKS) - len(unrun)) >= 3 * len(unrun), "most examples run"
 
 
 def test_the_generated_tables_are_current():
