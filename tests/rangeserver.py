@@ -35,6 +35,8 @@ class Misbehaviour:
     """Wait this long before answering each range GET (a slow store: clients pile up behind one fill)."""
     forbid_from: int | None = None
     """Answer ``403`` to every range GET that starts at or past this byte (credentials revoked mid-read)."""
+    rate_bytes_per_s: float = 0.0
+    """Serve bodies at this many bytes per second in all, whatever the number of connections (a throttled bucket)."""
 
 
 class QuietHandler(http.server.BaseHTTPRequestHandler):
@@ -75,6 +77,10 @@ class RangeServer(LoopbackServer):
         self.requests: list[str] = []
         self.authorizations: list[str | None] = []
         """The ``Authorization`` header of every request, in order."""
+        self.body_bytes = 0
+        """Bytes of bodies sent so far."""
+        self._pace = threading.Lock()
+        self._next_send = 0.0
         outer = self
 
         class Handler(QuietHandler):
@@ -149,10 +155,25 @@ class RangeServer(LoopbackServer):
                         self.wfile.write(piece[index : index + 1])
                         self.wfile.flush()
                         time.sleep(behaviour.trickle_seconds_per_byte)
+                elif behaviour.rate_bytes_per_s:
+                    for start in range(0, len(piece), 256 << 10):
+                        chunk = piece[start : start + (256 << 10)]
+                        outer.pace(len(chunk), behaviour.rate_bytes_per_s)
+                        self.wfile.write(chunk)
                 else:
                     self.wfile.write(piece)
+                with outer._pace:
+                    outer.body_bytes += len(piece)
 
         super().__init__(Handler, host, "test-range-server")
+
+    def pace(self, nbytes: int, rate: float) -> None:
+        """Wait for ``nbytes`` of the server's shared sending budget at ``rate`` bytes per second."""
+        with self._pace:
+            now = time.monotonic()
+            start = max(now, self._next_send)
+            self._next_send = start + nbytes / rate
+        time.sleep(max(0.0, start - now))
 
 
 def replace_file(path: Path, data: bytes) -> None:
