@@ -19,18 +19,19 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import mmap
+import threading
 import time
 from collections.abc import Callable
 
 from weightstream.errors import FleetPeerError, SourceChangedError, logger
 from weightstream.nodecache.daemon.fleet.claims import Claims
 from weightstream.nodecache.daemon.fleet.membership import Membership
-from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer
+from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, memory_at
 from weightstream.sources.local.raw_mapping import map_file, unmap
 
 log = logger(__name__)
@@ -41,6 +42,8 @@ enough that a few nodes filling a 1 GiB file share 16 pieces and a late piece wa
 STALL_S = 30.0
 """A piece claimed by a node that has not finished it in this long is read from the origin by whoever waits."""
 POLL_S = 0.05
+FETCH_THREADS = 4
+"""Pieces fetched from peers at once: the agent moves one at a time, the others are checked meanwhile."""
 
 ReadOrigin = Callable[[int, int, int], None]
 """``read_origin(offset, nbytes, address)``: the origin's bytes ``offset..offset+nbytes`` into memory at ``address``
@@ -84,29 +87,15 @@ class FleetFill:
             SourceError and the origin's other errors: reading a piece from the origin failed.
             FleetUnavailableError: etcd went away (the caller may fill from the origin alone).
         """
-        stats = FillStats()
         address = map_file(fd, size, mmap.PROT_READ | mmap.PROT_WRITE)
-        claims = Claims(self.etcd, self.prefix, self.node, self.membership.lease)
         try:
             where = self.server.publish(entry, fd, size)
-            self.etcd.put(self._key("segments", entry, self.node), json.dumps(where).encode(), self.membership.lease)
-            pending = set(range(-(-size // self.piece_bytes)))
-            waiting_since: dict[int, float] = {}
-            while pending:
-                self._check_failed(entry)
-                progressed = False
-                records = claims.pieces(entry)
-                for piece in sorted(pending):
-                    if self._take(entry, piece, records.get(piece), claims, address, size, read_origin, stats,
-                                  waiting_since):  # fmt: skip
-                        pending.discard(piece)
-                        progressed = True
-                if not progressed:
-                    time.sleep(POLL_S)
-            self.etcd.put(self._key("complete", entry, self.node), json.dumps(where).encode(), self.membership.lease)
+            self.etcd.put(self.key("segments", entry, self.node), json.dumps(where).encode(), self.membership.lease)
+            stats = _EntryFill(self, entry, address, size, read_origin).run()
+            self.etcd.put(self.key("complete", entry, self.node), json.dumps(where).encode(), self.membership.lease)
             return stats
         except SourceChangedError as error:
-            self.etcd.put(self._key("failed", entry), str(error).encode())
+            self.etcd.put(self.key("failed", entry), str(error).encode())
             self.server.withdraw(entry)
             raise
         except BaseException:
@@ -115,98 +104,120 @@ class FleetFill:
         finally:
             unmap(address, size)
 
-    def _take(
-        self,
-        entry: str,
-        piece: int,
-        record: dict[str, object] | None,
-        claims: Claims,
-        address: int,
-        size: int,
-        read_origin: ReadOrigin,
-        stats: FillStats,
-        waiting_since: dict[int, float],
-    ) -> bool:
-        """Make piece ``piece`` local if it can be now; whether it is."""
-        offset = piece * self.piece_bytes
-        nbytes = min(self.piece_bytes, size - offset)
-        digest = self.etcd.get(self._key("digests", entry, str(piece)))
-        holders = self._complete_holders(entry)
-        if digest is not None and holders:  # a node holds the whole entry: fetch from it (a late joiner's way)
-            return self._fetch(entry, piece, holders[piece % len(holders)], offset, nbytes, address, digest.decode(),
-                               read_origin, stats)  # fmt: skip
-        if record is None:
-            won, record = claims.claim(entry, piece)
-            if not won:
-                return False
-        if record.get("node") == self.node:
-            read_origin(offset, nbytes, address + offset)
-            sha256 = hashlib.sha256(ctypes.string_at(address + offset, nbytes)).hexdigest()
-            self.etcd.put(self._key("digests", entry, str(piece)), sha256.encode())
-            claims.done(entry, piece, sha256)
-            stats.origin_bytes += nbytes
-            return True
-        if record.get("state") == "done":
-            return self._fetch(entry, piece, str(record["node"]), offset, nbytes, address, str(record["sha256"]),
-                               read_origin, stats)  # fmt: skip
-        started = waiting_since.setdefault(piece, time.monotonic())
-        if time.monotonic() - started < self.stall_s:
-            return False
-        log.warning("%s piece %d: claimed by %s for %.0f s and not done: reading it from the origin", entry, piece,
-                    record.get("node"), self.stall_s)  # fmt: skip
-        read_origin(offset, nbytes, address + offset)
-        stats.refetched_bytes += nbytes
-        return True
-
-    def _fetch(
-        self,
-        entry: str,
-        piece: int,
-        peer: str,
-        offset: int,
-        nbytes: int,
-        address: int,
-        sha256: str,
-        read_origin: ReadOrigin,
-        stats: FillStats,
-    ) -> bool:
-        """Piece ``piece`` from ``peer``, checked against ``sha256``; from the origin where the peer fails."""
-        where = self.etcd.get(self._key("segments", entry, peer))
-        try:
-            if where is None:
-                raise FleetPeerError(f"{peer}: no longer in the fleet")
-            self.fetcher.read(peer, json.loads(where), offset, nbytes, address + offset, sha256)
-        except FleetPeerError as error:
-            self.fetcher.forget(peer)
-            log.warning("%s piece %d: %s; reading it from the origin", entry, piece, error)
-            stats.peer_failures += 1
-            read_origin(offset, nbytes, address + offset)
-            if hashlib.sha256(ctypes.string_at(address + offset, nbytes)).hexdigest() != sha256:
-                raise SourceChangedError(
-                    f"{entry} piece {piece}: the origin's bytes no longer hash to what its claimer read"
-                ) from None
-            stats.refetched_bytes += nbytes
-            return True
-        stats.peer_bytes += nbytes
-        stats.pieces_verified += 1
-        return True
-
     def forget(self, entry: str) -> None:
         """This node no longer holds ``entry`` (evicted): peers stop looking for it here."""
         self.server.withdraw(entry)
-        self.etcd.delete(self._key("complete", entry, self.node))
-        self.etcd.delete(self._key("segments", entry, self.node))
+        self.etcd.delete(self.key("complete", entry, self.node))
+        self.etcd.delete(self.key("segments", entry, self.node))
 
-    def _complete_holders(self, entry: str) -> list[str]:
-        """The other nodes holding the whole entry."""
-        prefix = self._key("complete", entry) + "/"
-        holders = (key.removeprefix(prefix) for key in self.etcd.get_prefix(prefix))
-        return sorted(holder for holder in holders if holder != self.node)
-
-    def _check_failed(self, entry: str) -> None:
-        failed = self.etcd.get(self._key("failed", entry))
-        if failed is not None:
-            raise SourceChangedError(f"{entry}: another node of the fleet found the origin changed: {failed.decode()}")
-
-    def _key(self, kind: str, entry: str, name: str = "") -> str:
+    def key(self, kind: str, entry: str, name: str = "") -> str:
+        """The fleet's key of ``kind`` for ``entry`` (and ``name``: a node, a piece)."""
         return f"{self.prefix}{kind}/{entry}" + (f"/{name}" if name else "")
+
+
+class _EntryFill:
+    """One fill of ``entry`` into memory at ``address``: which pieces are still missing, and where each comes from.
+    Pieces held by peers are fetched ``FETCH_THREADS`` at a time (one moves while another is checked)."""
+
+    def __init__(self, fleet: FleetFill, entry: str, address: int, size: int, read_origin: ReadOrigin) -> None:
+        self.fleet, self.entry, self.address, self.size, self.read_origin = fleet, entry, address, size, read_origin
+        self.claims = Claims(fleet.etcd, fleet.prefix, fleet.node, fleet.membership.lease)
+        self.stats = FillStats()
+        self._lock = threading.Lock()
+        self._waiting_since: dict[int, float] = {}
+
+    def run(self) -> FillStats:
+        pending = set(range(-(-self.size // self.fleet.piece_bytes)))
+        with concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="weightstream-fleet") as pool:
+            while pending:
+                self._check_failed()
+                records, holders = self.claims.pieces(self.entry), self._complete_holders()
+                fetches = {}
+                for piece in sorted(pending):
+                    peer = self._peer_for(piece, records.get(piece), holders)
+                    if peer is not None:
+                        fetches[piece] = pool.submit(self._fetch, piece, *peer)
+                    elif self._from_origin(piece, records.get(piece)):
+                        pending.discard(piece)
+                for piece, fetch in fetches.items():
+                    fetch.result()
+                    pending.discard(piece)
+                if pending and not fetches:
+                    time.sleep(POLL_S)
+        return self.stats
+
+    def _span(self, piece: int) -> tuple[int, int]:
+        offset = piece * self.fleet.piece_bytes
+        return offset, min(self.fleet.piece_bytes, self.size - offset)
+
+    def _peer_for(self, piece: int, record: dict[str, object] | None, holders: list[str]) -> tuple[str, str] | None:
+        """(peer, sha256) to fetch ``piece`` from now: a node holding the whole entry (a late joiner's way), else the
+        node that read the piece from the origin; None when no peer has it yet."""
+        if holders:
+            digest = self.fleet.etcd.get(self.fleet.key("digests", self.entry, str(piece)))
+            if digest is not None:
+                return holders[piece % len(holders)], digest.decode()
+        if record is not None and record.get("state") == "done" and record.get("node") != self.fleet.node:
+            return str(record["node"]), str(record["sha256"])
+        return None
+
+    def _from_origin(self, piece: int, record: dict[str, object] | None) -> bool:
+        """Read ``piece`` from the origin if this node claims it (or its claimer stalled); whether it is local now."""
+        offset, nbytes = self._span(piece)
+        if record is None:
+            won, record = self.claims.claim(self.entry, piece)
+            if not won:
+                return False
+        if record.get("node") == self.fleet.node:
+            self.read_origin(offset, nbytes, self.address + offset)
+            sha256 = hashlib.sha256(memory_at(self.address + offset, nbytes)).hexdigest()
+            self.fleet.etcd.put(self.fleet.key("digests", self.entry, str(piece)), sha256.encode())
+            self.claims.done(self.entry, piece, sha256)
+            self._count(origin_bytes=nbytes)
+            return True
+        started = self._waiting_since.setdefault(piece, time.monotonic())
+        if time.monotonic() - started < self.fleet.stall_s:
+            return False
+        log.warning("%s piece %d: claimed by %s for %.0f s and not done: reading it from the origin", self.entry,
+                    piece, record.get("node"), self.fleet.stall_s)  # fmt: skip
+        self.read_origin(offset, nbytes, self.address + offset)
+        self._count(refetched_bytes=nbytes)
+        return True
+
+    def _fetch(self, piece: int, peer: str, sha256: str) -> None:
+        """``piece`` from ``peer``, checked against ``sha256``; from the origin where the peer fails."""
+        offset, nbytes = self._span(piece)
+        where = self.fleet.etcd.get(self.fleet.key("segments", self.entry, peer))
+        try:
+            if where is None:
+                raise FleetPeerError(f"{peer}: no longer in the fleet")
+            self.fleet.fetcher.read(peer, json.loads(where), offset, nbytes, self.address + offset, sha256)
+        except FleetPeerError as error:
+            self.fleet.fetcher.forget(peer)
+            log.warning("%s piece %d: %s; reading it from the origin", self.entry, piece, error)
+            self.read_origin(offset, nbytes, self.address + offset)
+            if hashlib.sha256(memory_at(self.address + offset, nbytes)).hexdigest() != sha256:
+                raise SourceChangedError(
+                    f"{self.entry} piece {piece}: the origin's bytes no longer hash to what its claimer read"
+                ) from None
+            self._count(peer_failures=1, refetched_bytes=nbytes)
+            return
+        self._count(peer_bytes=nbytes, pieces_verified=1)
+
+    def _count(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self.stats, name, getattr(self.stats, name) + value)
+
+    def _complete_holders(self) -> list[str]:
+        """The other nodes holding the whole entry."""
+        prefix = self.fleet.key("complete", self.entry) + "/"
+        holders = (key.removeprefix(prefix) for key in self.fleet.etcd.get_prefix(prefix))
+        return sorted(holder for holder in holders if holder != self.fleet.node)
+
+    def _check_failed(self) -> None:
+        failed = self.fleet.etcd.get(self.fleet.key("failed", self.entry))
+        if failed is not None:
+            raise SourceChangedError(
+                f"{self.entry}: another node of the fleet found the origin changed: {failed.decode()}"
+            )

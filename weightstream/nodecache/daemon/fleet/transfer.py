@@ -115,7 +115,9 @@ class PieceFetcher:
         self._peers: dict[str, str] = {}
         self._loaded: set[tuple[str, int]] = set()
         """(peer, address) of each published segment whose metadata this agent has loaded."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        """Held for every call into the agent (one transfer at a time; threads hash what they read outside it, so
+        one piece is checked while the next moves)."""
 
     def read(
         self,
@@ -135,8 +137,22 @@ class PieceFetcher:
         size, remote_address = int(where["size"]), int(where["address"])  # type: ignore[call-overload]
         if offset < 0 or offset + nbytes > size:
             raise FleetPeerError(f"{peer}: bytes {offset}..{offset + nbytes} lie outside its {size}-byte segment")
+        with self._lock:
+            self._transfer(peer, remote_address, bytes.fromhex(str(where["metadata"])), offset, nbytes, destination)
+        if sha256 is not None:
+            got = hashlib.sha256(memory_at(destination, nbytes)).hexdigest()
+            if got != sha256:
+                raise FleetPeerError(
+                    f"{peer}: bytes {offset}..{offset + nbytes} hash to {got[:16]}..., not the claimer's "
+                    f"{sha256[:16]}...: discarded"
+                )
+
+    def _transfer(
+        self, peer: str, remote_address: int, metadata: bytes, offset: int, nbytes: int, destination: int
+    ) -> None:
+        """The NIXL READ itself, bounded by the timeout (called holding the agent's lock)."""
         agent = self._agent
-        name = self._remote(peer, remote_address, bytes.fromhex(str(where["metadata"])))
+        name = self._remote(peer, remote_address, metadata)
         local = agent.register_memory([(destination, nbytes, 0, "")], "DRAM")  # type: ignore[attr-defined]
         try:
             started = time.monotonic()
@@ -165,13 +181,6 @@ class PieceFetcher:
             raise FleetPeerError(f"{peer}: the read of bytes {offset}..{offset + nbytes} failed: {error}") from None
         finally:
             agent.deregister_memory(local)  # type: ignore[attr-defined]
-        if sha256 is not None:
-            got = hashlib.sha256(ctypes.string_at(destination, nbytes)).hexdigest()
-            if got != sha256:
-                raise FleetPeerError(
-                    f"{peer}: bytes {offset}..{offset + nbytes} hash to {got[:16]}..., not the claimer's "
-                    f"{sha256[:16]}...: discarded"
-                )
 
     def forget(self, peer: str) -> None:
         """Drop what is known of ``peer``'s agent (it left, or restarted): the next read loads it again."""
@@ -189,3 +198,8 @@ class PieceFetcher:
                 self._peers[peer] = name.decode() if isinstance(name, bytes) else str(name)
                 self._loaded.add((peer, address))
             return self._peers[peer]
+
+
+def memory_at(address: int, nbytes: int) -> memoryview:
+    """``nbytes`` of this process's memory at ``address``, without a copy (hashed at memory speed)."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
