@@ -5,10 +5,13 @@ every load is the origin's bytes, and `stats` says where each daemon's bytes cam
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +66,13 @@ def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Pa
             late = stats(daemons[3].socket)["fleet"]
             assert (late["origin_bytes"], late["peer_bytes"]) == (0, size), late
             assert origin_bytes(origin) == served, "the late daemon read from the origin"
+            listed = subprocess.run(
+                [sys.executable, "-m", "weightstream.cli", "cache", "fleet", "--fleet", fleet, "--json"],
+                capture_output=True, text=True, timeout=60, check=True, cwd=ROOT,
+            )  # fmt: skip
+            nodes = json.loads(listed.stdout)["nodes"]
+            assert sorted(nodes) == [f"node-{n}" for n in range(4)]
+            assert all(len(held["complete"]) == 1 and held["filling"] == [] for held in nodes.values()), nodes
         finally:
             for daemon in daemons:
                 daemon.stop()
@@ -91,3 +101,30 @@ def test_a_fleet_without_etcd_is_refused_at_start(tmp_path: Path):
         assert bad.returncode == 1 and "not etcd://HOST:PORT[/PREFIX]" in bad.stderr
     finally:
         remove(directory, socket_path)
+
+
+def test_etcd_lost_during_a_fill_finishes_it_from_the_origin(tmp_path: Path):
+    """The fleet's etcd stopped while a daemon fills from a slow origin: the load still gets every byte (the fill
+    finished from the origin alone, counted), and the daemon goes on serving."""
+    state = llama_state_dict(LlamaShape(hidden=1024, intermediate=2816, layers=2, vocab=4000), seed=13)
+    (tmp_path / "origin").mkdir()
+    save_file(state, str(tmp_path / "origin" / "model.safetensors"))
+    directory, socket_path = cache_places("etcdlost")
+    with contextlib.ExitStack() as etcd_running, RangeServer(tmp_path / "origin") as origin:
+        etcd = etcd_running.enter_context(etcd_server(tmp_path))
+        origin.misbehave.rate_bytes_per_s = 15e6  # about 3 s for the file
+        try:
+            with Daemon(directory, socket_path, "--fleet", etcd.replace("http://", "etcd://") + "/lost") as daemon:
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    load = pool.submit(
+                        weightstream.load_weights, f"{origin.url}/model.safetensors", cache=str(daemon.socket)
+                    )
+                    deadline = time.monotonic() + 30
+                    while origin.body_bytes == 0 and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    etcd_running.close()  # etcd stops mid-fill
+                    assert_same(load.result(timeout=120), state)
+                assert stats(daemon.socket)["fleet"]["fills_without_fleet"] == 1
+                assert "the fleet's etcd went away" in daemon.log()
+        finally:
+            remove(directory, socket_path)

@@ -102,6 +102,15 @@ def add_cache_commands(
         action = actions.add_parser(name, allow_abbrev=False, help=text)
         _add_socket(action)
         action.set_defaults(run=_simple, op=name)
+    fleet = actions.add_parser(
+        "fleet", allow_abbrev=False, help="the nodes of a fleet and the entries each holds (asks etcd, not a daemon)"
+    )
+    fleet.add_argument("--fleet", action="append", required=True, metavar="etcd://HOST:PORT/PREFIX", help="the fleet")
+    fleet.add_argument("--fleet-ca", default=None, metavar="PEM", help="etcds://: the CA to trust")
+    fleet.add_argument("--fleet-cert", default=None, metavar="PEM", help="etcds://: a client certificate")
+    fleet.add_argument("--fleet-key", default=None, metavar="PEM", help="etcds://: its private key")
+    fleet.add_argument("--json", action="store_true", help="the answer as JSON")
+    fleet.set_defaults(run=_describe_fleet)
     stop = actions.add_parser("stop", allow_abbrev=False, help="stop the daemon")
     stop.add_argument("--wait", action="store_true", help="return once the daemon has stopped (its socket gone)")
     _add_socket(stop)
@@ -183,6 +192,20 @@ def _serve(args: argparse.Namespace) -> int:
         default_socket=args.socket is None and not os.environ.get(ENVIRONMENT),
         fleet=_fleet(args),
     )
+
+
+def _describe_fleet(args: argparse.Namespace) -> int:
+    from weightstream.nodecache.daemon.fleet.node import describe_fleet, parse_fleet, tls_context
+
+    described = describe_fleet(parse_fleet(args.fleet), tls_context(args.fleet_ca, args.fleet_cert, args.fleet_key))
+    if args.json:
+        print(json.dumps(described))
+        return 0
+    nodes = described["nodes"]
+    print(f"{len(nodes)} nodes in {described['prefix']}")  # type: ignore[arg-type]
+    for node, held in sorted(nodes.items()):  # type: ignore[union-attr]
+        print(f"{printable(node)}: {len(held['complete'])} entries held, {len(held['filling'])} filling")
+    return 0
 
 
 def _fleet(args: argparse.Namespace) -> Callable[[], FleetNode] | None:

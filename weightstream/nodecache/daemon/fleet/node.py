@@ -77,6 +77,28 @@ def tls_context(ca: str | None, certificate: str | None, key: str | None) -> ssl
     return context
 
 
+def describe_fleet(address: FleetAddress, tls: ssl.SSLContext | None = None) -> dict[str, object]:
+    """What ``cache fleet`` shows: each live node, and the entries each holds whole or is filling.
+
+    Raises:
+        FleetUnavailableError: etcd does not answer.
+    """
+    etcd = EtcdGateway(address.endpoints, tls)
+    prefix = address.prefix.rstrip("/") + "/"
+    nodes = {
+        key.removeprefix(prefix + "nodes/"): {"complete": [], "filling": []}
+        for key in etcd.get_prefix(prefix + "nodes/")
+    }
+    complete = {
+        tuple(key.removeprefix(prefix + "complete/").split("/")) for key in etcd.get_prefix(prefix + "complete/")
+    }
+    for key in etcd.get_prefix(prefix + "segments/"):
+        entry, node = key.removeprefix(prefix + "segments/").split("/")
+        if node in nodes:
+            nodes[node]["complete" if (entry, node) in complete else "filling"].append(entry)
+    return {"prefix": address.prefix, "endpoints": list(address.endpoints), "nodes": nodes}
+
+
 class FleetNode:
     """This daemon in the fleet: membership, the pieces it offers and fetches, and its fills' counts."""
 
