@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="the fleet's data plane needs NIXL (pip install 'weightstream[fleet]')")
 
 from tests.etcd_server import etcd_server
-from tests.rangeserver import RangeServer
+from tests.rangeserver import RangeServer, replace_file
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -44,9 +45,11 @@ class Node:
         )  # fmt: skip
 
     def stats(self) -> dict[str, int]:
-        line = self.process.stdout.readline()  # type: ignore[union-attr]
-        assert line, self.process.stderr.read()  # type: ignore[union-attr]
-        return json.loads(line)
+        """Where the node's bytes came from (UCX writes its own error lines to stdout too: they are skipped)."""
+        for line in self.process.stdout:  # type: ignore[union-attr]
+            if line.startswith("{"):
+                return json.loads(line)
+        raise AssertionError(self.process.stderr.read())  # type: ignore[union-attr]
 
     def leave(self) -> None:
         self.process.stdin.close()  # type: ignore[union-attr]
@@ -106,3 +109,43 @@ def test_a_peer_serving_bad_bytes_is_caught_and_its_piece_read_again(etcd: str, 
         good.leave()
     finally:
         bad.leave()
+
+
+def test_a_peer_killed_mid_storm_costs_only_its_unfinished_pieces(etcd: str, origin, tmp_path: Path):
+    server, url, data = origin
+    server.misbehave.rate_bytes_per_s = 40e6  # about 1.2 s for the file
+    victim = Node(etcd, "/killed", "victim", url, tmp_path / "victim")
+    deadline = time.monotonic() + 30
+    while server.body_bytes == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    survivors = [Node(etcd, "/killed", f"survivor-{n}", url, tmp_path / f"survivor-{n}") for n in range(2)]
+    time.sleep(0.3)
+    victim.process.kill()  # mid-storm: its claims and offers go with its lease (5 s)
+    victim.process.communicate(timeout=30)
+    try:
+        stats = [node.stats() for node in survivors]
+        assert all(node.output.read_bytes() == data for node in survivors)
+        assert origin_bytes(server) <= 2 * len(data), f"{origin_bytes(server) / len(data):.2f}x from the origin"
+        assert sum(s["origin_bytes"] + s["refetched_bytes"] for s in stats) >= len(data) - server.body_bytes
+    finally:
+        for node in survivors:
+            node.leave()
+
+
+def test_an_origin_that_changes_mid_storm_ends_every_nodes_fill(etcd: str, origin, tmp_path: Path):
+    server, url, data = origin
+    server.misbehave.rate_bytes_per_s = 30e6
+    replacement = os.urandom(len(data))
+    nodes = [Node(etcd, "/changed", f"node-{n}", url, tmp_path / f"node-{n}") for n in range(3)]
+    deadline = time.monotonic() + 30
+    while not any(request.startswith("GET") for request in server.requests) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    replace_file(server.root / "model.safetensors", replacement)  # the first pieces' reads are under way
+    for node in nodes:
+        node.process.stdin.close()  # type: ignore[union-attr]
+        code = node.process.wait(timeout=120)
+        said = node.process.stderr.read()  # type: ignore[union-attr]
+        node.process.stdout.close()  # type: ignore[union-attr]
+        node.process.stderr.close()  # type: ignore[union-attr]
+        assert code != 0, "a node finished a fill of a changed origin"
+        assert "SourceChangedError" in said, said[-2000:]

@@ -144,6 +144,7 @@ class _EntryFill:
                     pending.discard(piece)
                 if pending and not fetches:
                     time.sleep(POLL_S)
+        self._check_failed()  # a node that found the origin changed while this one finished: nothing is published
         return self.stats
 
     def _span(self, piece: int) -> tuple[int, int]:

@@ -152,7 +152,10 @@ class PieceFetcher:
     ) -> None:
         """The NIXL READ itself, bounded by the timeout (called holding the agent's lock)."""
         agent = self._agent
-        name = self._remote(peer, remote_address, metadata)
+        try:
+            name = self._remote(peer, remote_address, metadata)
+        except Exception as error:  # noqa: BLE001 - NIXL cannot reach the peer's agent (NIXL_ERR_BACKEND)
+            raise FleetPeerError(f"{peer}: cannot reach its agent: {error}") from None
         local = agent.register_memory([(destination, nbytes, 0, "")], "DRAM")  # type: ignore[attr-defined]
         try:
             started = time.monotonic()
