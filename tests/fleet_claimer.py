@@ -12,13 +12,19 @@ from weightstream.nodecache.daemon.fleet.claims import Claims
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 from weightstream.nodecache.daemon.fleet.membership import Membership
 
-endpoint, prefix, node, entry, pieces = sys.argv[1:6]
-etcd = EtcdGateway([endpoint])
-member = Membership(etcd, prefix, node, {"address": "127.0.0.1"}, ttl_s=3)
-claims = Claims(etcd, prefix, node, member.lease)
-won = [piece for piece in range(int(pieces)) if claims.claim(entry, piece)[0]]
-print(json.dumps(won), flush=True)
-if "--hold" in sys.argv:
-    while True:
-        time.sleep(1)
-member.close()
+
+def main() -> None:
+    endpoint, prefix, node, entry, pieces = sys.argv[1:6]
+    etcd = EtcdGateway([endpoint])
+    member = Membership(etcd, prefix, node, {"address": "127.0.0.1"}, ttl_s=3)
+    claims = Claims(etcd, prefix, node, member.lease)
+    won = [piece for piece in range(int(pieces)) if claims.claim(entry, piece)[0]]
+    print(json.dumps(won), flush=True)
+    if "--hold" in sys.argv:
+        while True:
+            time.sleep(1)
+    member.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -11,13 +11,19 @@ import time
 
 from weightstream.nodecache.daemon.fleet.transfer import PieceServer
 
-path, node, info = sys.argv[1:4]
-server = PieceServer(node)
-fd = os.open(path, os.O_RDONLY)
-where = server.publish("segment", fd, os.fstat(fd).st_size)
-os.close(fd)
-with open(info + ".tmp", "w") as file:
-    json.dump(where, file)
-os.replace(info + ".tmp", info)
-while True:
-    time.sleep(1)
+
+def main() -> None:
+    path, node, info = sys.argv[1:4]
+    server = PieceServer(node)
+    fd = os.open(path, os.O_RDONLY)
+    where = server.publish("segment", fd, os.fstat(fd).st_size)
+    os.close(fd)
+    with open(info + ".tmp", "w") as file:
+        json.dump(where, file)
+    os.replace(info + ".tmp", info)
+    while True:
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    main()
