@@ -128,3 +128,27 @@ def test_etcd_lost_during_a_fill_finishes_it_from_the_origin(tmp_path: Path):
                 assert "the fleet's etcd went away" in daemon.log()
         finally:
             remove(directory, socket_path)
+
+
+def test_a_node_whose_budget_cannot_hold_the_file_refuses_and_the_others_go_on(tmp_path: Path):
+    from weightstream.errors import CacheFullError
+
+    state = llama_state_dict(LlamaShape(hidden=512, intermediate=1536, layers=2, vocab=4000), seed=14)
+    (tmp_path / "origin").mkdir()
+    save_file(state, str(tmp_path / "origin" / "model.safetensors"))
+    small, roomy = cache_places("fleetsmall"), cache_places("fleetroomy")
+    try:
+        with etcd_server(tmp_path) as etcd, RangeServer(tmp_path / "origin") as origin:
+            fleet = etcd.replace("http://", "etcd://") + "/budget"
+            url = f"{origin.url}/model.safetensors"
+            with (
+                Daemon(*small, "--fleet", fleet, "--fleet-node", "small", "--budget", "1MiB") as tight,
+                Daemon(*roomy, "--fleet", fleet, "--fleet-node", "roomy") as ample,
+            ):
+                with pytest.raises(CacheFullError):
+                    weightstream.load_weights(url, cache=str(tight.socket))
+                assert_same(weightstream.load_weights(url, cache=str(ample.socket)), state)
+                assert stats(tight.socket)["fleet"]["origin_bytes"] == 0
+    finally:
+        remove(*small)
+        remove(*roomy)
