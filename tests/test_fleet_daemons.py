@@ -152,3 +152,31 @@ def test_a_node_whose_budget_cannot_hold_the_file_refuses_and_the_others_go_on(t
     finally:
         remove(*small)
         remove(*roomy)
+
+
+def test_a_restarted_daemon_offers_what_it_adopted(tmp_path: Path):
+    """A daemon of the fleet restarted on its directory adopts its segments and offers them again: a second daemon
+    then fills from it, reading nothing from the origin but its HEAD."""
+    state = llama_state_dict(LlamaShape(hidden=512, intermediate=1536, layers=2, vocab=4000), seed=15)
+    (tmp_path / "origin").mkdir()
+    save_file(state, str(tmp_path / "origin" / "model.safetensors"))
+    size = (tmp_path / "origin" / "model.safetensors").stat().st_size
+    first, second = cache_places("fleetfirst"), cache_places("fleetsecond")
+    try:
+        with etcd_server(tmp_path) as etcd, RangeServer(tmp_path / "origin") as origin:
+            fleet = etcd.replace("http://", "etcd://") + "/restart"
+            url = f"{origin.url}/model.safetensors"
+            with Daemon(*first, "--fleet", fleet, "--fleet-node", "first") as daemon:
+                assert_same(weightstream.load_weights(url, cache=str(daemon.socket)), state)
+            served = origin_bytes(origin)
+            with (
+                Daemon(*first, "--fleet", fleet, "--fleet-node", "first") as restarted,
+                Daemon(*second, "--fleet", fleet, "--fleet-node", "second") as joiner,
+            ):
+                assert restarted.status["adopted"] == 1
+                assert_same(weightstream.load_weights(url, cache=str(joiner.socket)), state)
+                assert stats(joiner.socket)["fleet"]["peer_bytes"] == size
+                assert origin_bytes(origin) == served, "the joiner read the file from the origin"
+    finally:
+        remove(*first)
+        remove(*second)

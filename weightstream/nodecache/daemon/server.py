@@ -91,6 +91,8 @@ class CacheDaemon:
             self.segments = SegmentStore(directory, budget, huge_pages, on_evict=self._evicted)
             self.entries = EntryTable(self.segments, self.segments.references)
             self.devices = None if not devices else DeviceTier(devices, device_budget)
+            if fleet is not None:  # what this node held before it started is the fleet's too
+                fleet.offer(list(self.segments.segments.values()), self.segments.path)
         except BaseException:
             self.directory.release()
             raise

@@ -104,6 +104,13 @@ class FleetFill:
         finally:
             unmap(address, size)
 
+    def offer(self, entry: str, fd: int, size: int) -> None:
+        """Offer ``entry``, held whole in the file ``fd`` (a segment this node had before it joined: adopted at
+        start), to the fleet as a complete copy."""
+        where = json.dumps(self.server.publish(entry, fd, size)).encode()
+        self.etcd.put(self.key("segments", entry, self.node), where, self.membership.lease)
+        self.etcd.put(self.key("complete", entry, self.node), where, self.membership.lease)
+
     def forget(self, entry: str) -> None:
         """This node no longer holds ``entry`` (evicted): peers stop looking for it here."""
         self.server.withdraw(entry)

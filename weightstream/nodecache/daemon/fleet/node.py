@@ -13,18 +13,24 @@ import concurrent.futures
 import ctypes
 import dataclasses
 import mmap
+import os
 import ssl
 import threading
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from weightstream.errors import CacheConfigError, CacheUnavailableError, FleetUnavailableError, logger
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill
 from weightstream.nodecache.daemon.fleet.membership import Membership
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, nixl
+from weightstream.sources import REMOTE_SCHEMES
 from weightstream.sources.base import Source
 from weightstream.sources.local.raw_mapping import map_file, unmap
+
+if TYPE_CHECKING:
+    from weightstream.nodecache.daemon.segments import Segment
 
 log = logger(__name__)
 
@@ -156,6 +162,20 @@ class FleetNode:
             self._count("fills_without_fleet", 1)
         for name, value in dataclasses.asdict(stats).items():
             self._count(name, value)
+
+    def offer(self, segments: Iterable[Segment], path_of: Callable[[str], str]) -> int:
+        """Offer the fleet the remote files this node already holds (its segments adopted at start); how many."""
+        offered = 0
+        for segment in segments:
+            if not segment.size or not segment.uri.startswith(REMOTE_SCHEMES):
+                continue  # a local file is this node's alone
+            fd = os.open(path_of(segment.key), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                self._fill.offer(segment.key, fd, segment.size)
+            finally:
+                os.close(fd)
+            offered += 1
+        return offered
 
     def evicted(self, key: str) -> None:
         """Stop offering segment ``key``."""
