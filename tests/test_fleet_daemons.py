@@ -180,3 +180,41 @@ def test_a_restarted_daemon_offers_what_it_adopted(tmp_path: Path):
     finally:
         remove(*first)
         remove(*second)
+
+
+def test_a_daemon_whose_lease_expired_offers_its_files_again(tmp_path: Path):
+    """A daemon that could not renew its lease for longer than it lasts (stopped here with SIGSTOP) registers again
+    and puts its offers back under the new lease: a second daemon then fills from it, not from the origin."""
+    import signal
+
+    from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
+
+    state = llama_state_dict(LlamaShape(hidden=512, intermediate=1536, layers=2, vocab=4000), seed=16)
+    (tmp_path / "origin").mkdir()
+    save_file(state, str(tmp_path / "origin" / "model.safetensors"))
+    size = (tmp_path / "origin" / "model.safetensors").stat().st_size
+    first, second = cache_places("fleetpaused"), cache_places("fleetafter")
+    try:
+        with etcd_server(tmp_path) as etcd, RangeServer(tmp_path / "origin") as origin:
+            fleet = etcd.replace("http://", "etcd://") + "/reoffer"
+            url = f"{origin.url}/model.safetensors"
+            gateway = EtcdGateway([etcd])
+            with Daemon(*first, "--fleet", fleet, "--fleet-node", "paused") as paused:
+                assert_same(weightstream.load_weights(url, cache=str(paused.socket)), state)
+                served = origin_bytes(origin)
+                os.kill(paused.process.pid, signal.SIGSTOP)
+                deadline = time.monotonic() + 30
+                while gateway.get_prefix("/reoffer/complete/") and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                assert gateway.get_prefix("/reoffer/complete/") == {}, "the paused node's lease did not expire"
+                os.kill(paused.process.pid, signal.SIGCONT)
+                while not gateway.get_prefix("/reoffer/complete/") and time.monotonic() < deadline + 30:
+                    time.sleep(0.2)
+                with Daemon(*second, "--fleet", fleet, "--fleet-node", "after") as after:
+                    assert_same(weightstream.load_weights(url, cache=str(after.socket)), state)
+                    assert stats(after.socket)["fleet"]["peer_bytes"] == size
+                assert origin_bytes(origin) == served, "the second daemon read the file from the origin"
+                assert "registering again" in paused.log()
+    finally:
+        remove(*first)
+        remove(*second)

@@ -134,7 +134,7 @@ def test_a_peer_killed_mid_storm_costs_only_its_unfinished_pieces(etcd: str, ori
 
 def test_an_origin_that_changes_mid_storm_ends_every_nodes_fill(etcd: str, origin, tmp_path: Path):
     server, url, data = origin
-    server.misbehave.rate_bytes_per_s = 30e6
+    server.misbehave.rate_bytes_per_s = 10e6  # the first pieces take seconds: the change lands while they move
     replacement = os.urandom(len(data))
     nodes = [Node(etcd, "/changed", f"node-{n}", url, tmp_path / f"node-{n}") for n in range(3)]
     deadline = time.monotonic() + 30

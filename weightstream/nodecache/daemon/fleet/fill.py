@@ -78,6 +78,9 @@ class FleetFill:
         self.etcd, self.node = membership.etcd, membership.node
         self.prefix = membership.nodes_prefix.removesuffix("nodes/")
         self.piece_bytes, self.stall_s = piece_bytes, stall_s
+        self._offered: dict[str, bytes] = {}
+        """Each entry this node holds whole, and where peers read it (put again under a new lease)."""
+        membership.on_registered_again = self._offer_again
 
     def fill(self, entry: str, fd: int, size: int, read_origin: ReadOrigin) -> FillStats:
         """Fill the file ``fd`` (``size`` bytes long already) with ``entry``'s bytes; where they came from.
@@ -92,7 +95,8 @@ class FleetFill:
             where = self.server.publish(entry, fd, size)
             self.etcd.put(self.key("segments", entry, self.node), json.dumps(where).encode(), self.membership.lease)
             stats = _EntryFill(self, entry, address, size, read_origin).run()
-            self.etcd.put(self.key("complete", entry, self.node), json.dumps(where).encode(), self.membership.lease)
+            self._offered[entry] = json.dumps(where).encode()
+            self.etcd.put(self.key("complete", entry, self.node), self._offered[entry], self.membership.lease)
             return stats
         except SourceChangedError as error:
             self.etcd.put(self.key("failed", entry), str(error).encode())
@@ -107,15 +111,23 @@ class FleetFill:
     def offer(self, entry: str, fd: int, size: int) -> None:
         """Offer ``entry``, held whole in the file ``fd`` (a segment this node had before it joined: adopted at
         start), to the fleet as a complete copy."""
-        where = json.dumps(self.server.publish(entry, fd, size)).encode()
-        self.etcd.put(self.key("segments", entry, self.node), where, self.membership.lease)
-        self.etcd.put(self.key("complete", entry, self.node), where, self.membership.lease)
+        self._offered[entry] = json.dumps(self.server.publish(entry, fd, size)).encode()
+        self._offer_again(self.membership.lease, [entry])
 
     def forget(self, entry: str) -> None:
         """This node no longer holds ``entry`` (evicted): peers stop looking for it here."""
+        self._offered.pop(entry, None)
         self.server.withdraw(entry)
         self.etcd.delete(self.key("complete", entry, self.node))
         self.etcd.delete(self.key("segments", entry, self.node))
+
+    def _offer_again(self, lease: int, entries: list[str] | None = None) -> None:
+        """Put the keys that say this node holds ``entries`` (default: all it holds) under ``lease``."""
+        for entry in list(self._offered) if entries is None else entries:
+            where = self._offered.get(entry)
+            if where is not None:
+                self.etcd.put(self.key("segments", entry, self.node), where, lease)
+                self.etcd.put(self.key("complete", entry, self.node), where, lease)
 
     def key(self, kind: str, entry: str, name: str = "") -> str:
         """The fleet's key of ``kind`` for ``entry`` (and ``name``: a node, a piece)."""

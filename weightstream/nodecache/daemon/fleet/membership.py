@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 
 from weightstream.errors import FleetUnavailableError, logger
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
@@ -36,6 +37,8 @@ class Membership:
         self.nodes_prefix = f"{prefix.rstrip('/')}/nodes/"
         self._description = json.dumps({"node": node, **description}).encode()
         self._stop = threading.Event()
+        self.on_registered_again: Callable[[int], None] | None = None
+        """Called with the new lease after the node registered again (its keys under the old lease are gone)."""
         self.lease = self._register()
         self._renewer = threading.Thread(target=self._renew, name="weightstream-fleet-lease", daemon=True)
         self._renewer.start()
@@ -68,6 +71,8 @@ class Membership:
                 if self.etcd.keepalive(self.lease) == 0:
                     log.warning("fleet lease of %s expired (etcd was out of reach): registering again", self.node)
                     self.lease = self._register()
+                    if self.on_registered_again is not None:
+                        self.on_registered_again(self.lease)
                 if unreachable:
                     log.warning("fleet: etcd answers again")
                 unreachable = False
