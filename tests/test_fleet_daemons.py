@@ -218,3 +218,35 @@ def test_a_daemon_whose_lease_expired_offers_its_files_again(tmp_path: Path):
     finally:
         remove(*first)
         remove(*second)
+
+
+def test_an_s3_origin_is_read_once_by_two_daemons(s3_endpoint, tmp_path: Path):
+    """The same fleet fill from a real S3 server (SeaweedFS): the pieces are read from it once in all, the versions
+    pinned by ETag, each daemon's load exact."""
+    from tests.objstore import put
+
+    state = llama_state_dict(LlamaShape(hidden=1024, intermediate=2816, layers=2, vocab=4000), seed=17)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    size = (tmp_path / "model.safetensors").stat().st_size
+    put("s3", tmp_path / "model.safetensors", "fleet/model.safetensors")
+    places = [cache_places("fleets3a"), cache_places("fleets3b")]
+    try:
+        with etcd_server(tmp_path) as etcd:
+            fleet = etcd.replace("http://", "etcd://") + "/s3"
+            with (
+                Daemon(*places[0], "--fleet", fleet, "--fleet-node", "a") as first,
+                Daemon(*places[1], "--fleet", fleet, "--fleet-node", "b") as second,
+                concurrent.futures.ThreadPoolExecutor(2) as pool,
+            ):
+                loads = [
+                    pool.submit(weightstream.load_weights, "s3://bench/fleet/model.safetensors", cache=str(d.socket))
+                    for d in (first, second)
+                ]
+                for load in loads:
+                    assert_same(load.result(), state)
+                fleets = [stats(daemon.socket)["fleet"] for daemon in (first, second)]
+            assert sum(f["origin_bytes"] for f in fleets) == size, fleets
+            assert sum(f["peer_bytes"] for f in fleets) == size, fleets
+    finally:
+        for place in places:
+            remove(*place)
