@@ -31,16 +31,21 @@ from weightstream.bench.demo import LlamaShape, llama_state_dict
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def origin_file(tmp_path: Path, hidden: int, seed: int) -> tuple[dict, int]:
+    """A two-layer Llama checkpoint ``hidden`` wide in ``tmp_path/origin/model.safetensors``: its tensors and size."""
+    state = llama_state_dict(LlamaShape(hidden, round(hidden * 2.75 / 256) * 256, 2, 4000), seed=seed)
+    (tmp_path / "origin").mkdir()
+    save_file(state, str(tmp_path / "origin" / "model.safetensors"))
+    return state, (tmp_path / "origin" / "model.safetensors").stat().st_size
+
+
 def origin_bytes(server: RangeServer) -> int:
     ranges = [re.search(r"bytes=(\d+)-(\d+)", line) for line in server.requests if line.startswith("GET")]
     return sum(int(match[2]) - int(match[1]) + 1 for match in ranges if match)
 
 
 def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Path):
-    state = llama_state_dict(LlamaShape(hidden=1024, intermediate=2816, layers=2, vocab=4000), seed=12)
-    (tmp_path / "origin").mkdir()
-    save_file(state, str(tmp_path / "origin" / "model.safetensors"))
-    size = (tmp_path / "origin" / "model.safetensors").stat().st_size
+    state, size = origin_file(tmp_path, 1024, 12)
     daemons: list[Daemon] = []
     places = []
     with etcd_server(tmp_path) as etcd, RangeServer(tmp_path / "origin") as origin:
@@ -106,9 +111,7 @@ def test_a_fleet_without_etcd_is_refused_at_start(tmp_path: Path):
 def test_etcd_lost_during_a_fill_finishes_it_from_the_origin(tmp_path: Path):
     """The fleet's etcd stopped while a daemon fills from a slow origin: the load still gets every byte (the fill
     finished from the origin alone, counted), and the daemon goes on serving."""
-    state = llama_state_dict(LlamaShape(hidden=1024, intermediate=2816, layers=2, vocab=4000), seed=13)
-    (tmp_path / "origin").mkdir()
-    save_file(state, str(tmp_path / "origin" / "model.safetensors"))
+    state, _ = origin_file(tmp_path, 1024, 13)
     directory, socket_path = cache_places("etcdlost")
     with contextlib.ExitStack() as etcd_running, RangeServer(tmp_path / "origin") as origin:
         etcd = etcd_running.enter_context(etcd_server(tmp_path))
@@ -133,9 +136,7 @@ def test_etcd_lost_during_a_fill_finishes_it_from_the_origin(tmp_path: Path):
 def test_a_node_whose_budget_cannot_hold_the_file_refuses_and_the_others_go_on(tmp_path: Path):
     from weightstream.errors import CacheFullError
 
-    state = llama_state_dict(LlamaShape(hidden=512, intermediate=1536, layers=2, vocab=4000), seed=14)
-    (tmp_path / "origin").mkdir()
-    save_file(state, str(tmp_path / "origin" / "model.safetensors"))
+    state, _ = origin_file(tmp_path, 512, 14)
     small, roomy = cache_places("fleetsmall"), cache_places("fleetroomy")
     try:
         with etcd_server(tmp_path) as etcd, RangeServer(tmp_path / "origin") as origin:
@@ -157,10 +158,7 @@ def test_a_node_whose_budget_cannot_hold_the_file_refuses_and_the_others_go_on(t
 def test_a_restarted_daemon_offers_what_it_adopted(tmp_path: Path):
     """A daemon of the fleet restarted on its directory adopts its segments and offers them again: a second daemon
     then fills from it, reading nothing from the origin but its HEAD."""
-    state = llama_state_dict(LlamaShape(hidden=512, intermediate=1536, layers=2, vocab=4000), seed=15)
-    (tmp_path / "origin").mkdir()
-    save_file(state, str(tmp_path / "origin" / "model.safetensors"))
-    size = (tmp_path / "origin" / "model.safetensors").stat().st_size
+    state, size = origin_file(tmp_path, 512, 15)
     first, second = cache_places("fleetfirst"), cache_places("fleetsecond")
     try:
         with etcd_server(tmp_path) as etcd, RangeServer(tmp_path / "origin") as origin:
@@ -189,10 +187,7 @@ def test_a_daemon_whose_lease_expired_offers_its_files_again(tmp_path: Path):
 
     from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 
-    state = llama_state_dict(LlamaShape(hidden=512, intermediate=1536, layers=2, vocab=4000), seed=16)
-    (tmp_path / "origin").mkdir()
-    save_file(state, str(tmp_path / "origin" / "model.safetensors"))
-    size = (tmp_path / "origin" / "model.safetensors").stat().st_size
+    state, size = origin_file(tmp_path, 512, 16)
     first, second = cache_places("fleetpaused"), cache_places("fleetafter")
     try:
         with etcd_server(tmp_path) as etcd, RangeServer(tmp_path / "origin") as origin:
