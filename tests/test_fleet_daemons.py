@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,37 @@ def origin_file(tmp_path: Path, hidden: int, seed: int) -> tuple[dict, int]:
     (tmp_path / "origin").mkdir()
     save_file(state, str(tmp_path / "origin" / "model.safetensors"))
     return state, (tmp_path / "origin" / "model.safetensors").stat().st_size
+
+
+@dataclasses.dataclass
+class Fleet:
+    """An etcd, an HTTP origin serving ``tmp_path/origin``, and places for daemons, for one test."""
+
+    url: str
+    """The fleet's ``etcd://.../PREFIX``."""
+    etcd: str
+    origin: RangeServer
+    file: str
+    """The origin's URL of ``model.safetensors``."""
+    places: dict[str, tuple[Path, Path]]
+
+    def daemon(self, name: str, *extra: str) -> Daemon:
+        """A daemon of this fleet named ``name`` (``with`` it), on places of its own kept across restarts."""
+        if name not in self.places:
+            self.places[name] = cache_places(f"fleet{name}")
+        return Daemon(*self.places[name], "--fleet", self.url, "--fleet-node", name, *extra)
+
+
+@contextlib.contextmanager
+def fleet_of(tmp_path: Path, prefix: str) -> Iterator[Fleet]:
+    places: dict[str, tuple[Path, Path]] = {}
+    try:
+        with etcd_server(tmp_path) as etcd, RangeServer(tmp_path / "origin") as origin:
+            url = etcd.replace("http://", "etcd://") + prefix
+            yield Fleet(url, etcd, origin, f"{origin.url}/model.safetensors", places)
+    finally:
+        for place in places.values():
+            remove(*place)
 
 
 def origin_bytes(server: RangeServer) -> int:
@@ -137,47 +170,30 @@ def test_a_node_whose_budget_cannot_hold_the_file_refuses_and_the_others_go_on(t
     from weightstream.errors import CacheFullError
 
     state, _ = origin_file(tmp_path, 512, 14)
-    small, roomy = cache_places("fleetsmall"), cache_places("fleetroomy")
-    try:
-        with etcd_server(tmp_path) as etcd, RangeServer(tmp_path / "origin") as origin:
-            fleet = etcd.replace("http://", "etcd://") + "/budget"
-            url = f"{origin.url}/model.safetensors"
-            with (
-                Daemon(*small, "--fleet", fleet, "--fleet-node", "small", "--budget", "1MiB") as tight,
-                Daemon(*roomy, "--fleet", fleet, "--fleet-node", "roomy") as ample,
-            ):
-                with pytest.raises(CacheFullError):
-                    weightstream.load_weights(url, cache=str(tight.socket))
-                assert_same(weightstream.load_weights(url, cache=str(ample.socket)), state)
-                assert stats(tight.socket)["fleet"]["origin_bytes"] == 0
-    finally:
-        remove(*small)
-        remove(*roomy)
+    with (
+        fleet_of(tmp_path, "/budget") as fleet,
+        fleet.daemon("small", "--budget", "1MiB") as tight,
+        fleet.daemon("roomy") as ample,
+    ):
+        with pytest.raises(CacheFullError):
+            weightstream.load_weights(fleet.file, cache=str(tight.socket))
+        assert_same(weightstream.load_weights(fleet.file, cache=str(ample.socket)), state)
+        assert stats(tight.socket)["fleet"]["origin_bytes"] == 0
 
 
 def test_a_restarted_daemon_offers_what_it_adopted(tmp_path: Path):
     """A daemon of the fleet restarted on its directory adopts its segments and offers them again: a second daemon
     then fills from it, reading nothing from the origin but its HEAD."""
     state, size = origin_file(tmp_path, 512, 15)
-    first, second = cache_places("fleetfirst"), cache_places("fleetsecond")
-    try:
-        with etcd_server(tmp_path) as etcd, RangeServer(tmp_path / "origin") as origin:
-            fleet = etcd.replace("http://", "etcd://") + "/restart"
-            url = f"{origin.url}/model.safetensors"
-            with Daemon(*first, "--fleet", fleet, "--fleet-node", "first") as daemon:
-                assert_same(weightstream.load_weights(url, cache=str(daemon.socket)), state)
-            served = origin_bytes(origin)
-            with (
-                Daemon(*first, "--fleet", fleet, "--fleet-node", "first") as restarted,
-                Daemon(*second, "--fleet", fleet, "--fleet-node", "second") as joiner,
-            ):
-                assert restarted.status["adopted"] == 1
-                assert_same(weightstream.load_weights(url, cache=str(joiner.socket)), state)
-                assert stats(joiner.socket)["fleet"]["peer_bytes"] == size
-                assert origin_bytes(origin) == served, "the joiner read the file from the origin"
-    finally:
-        remove(*first)
-        remove(*second)
+    with fleet_of(tmp_path, "/restart") as fleet:
+        with fleet.daemon("first") as daemon:
+            assert_same(weightstream.load_weights(fleet.file, cache=str(daemon.socket)), state)
+        served = origin_bytes(fleet.origin)
+        with fleet.daemon("first") as restarted, fleet.daemon("second") as joiner:
+            assert restarted.status["adopted"] == 1
+            assert_same(weightstream.load_weights(fleet.file, cache=str(joiner.socket)), state)
+            assert stats(joiner.socket)["fleet"]["peer_bytes"] == size
+            assert origin_bytes(fleet.origin) == served, "the joiner read the file from the origin"
 
 
 def test_a_daemon_whose_lease_expired_offers_its_files_again(tmp_path: Path):
@@ -188,31 +204,23 @@ def test_a_daemon_whose_lease_expired_offers_its_files_again(tmp_path: Path):
     from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 
     state, size = origin_file(tmp_path, 512, 16)
-    first, second = cache_places("fleetpaused"), cache_places("fleetafter")
-    try:
-        with etcd_server(tmp_path) as etcd, RangeServer(tmp_path / "origin") as origin:
-            fleet = etcd.replace("http://", "etcd://") + "/reoffer"
-            url = f"{origin.url}/model.safetensors"
-            gateway = EtcdGateway([etcd])
-            with Daemon(*first, "--fleet", fleet, "--fleet-node", "paused") as paused:
-                assert_same(weightstream.load_weights(url, cache=str(paused.socket)), state)
-                served = origin_bytes(origin)
-                os.kill(paused.process.pid, signal.SIGSTOP)
-                deadline = time.monotonic() + 30
-                while gateway.get_prefix("/reoffer/complete/") and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                assert gateway.get_prefix("/reoffer/complete/") == {}, "the paused node's lease did not expire"
-                os.kill(paused.process.pid, signal.SIGCONT)
-                while not gateway.get_prefix("/reoffer/complete/") and time.monotonic() < deadline + 30:
-                    time.sleep(0.2)
-                with Daemon(*second, "--fleet", fleet, "--fleet-node", "after") as after:
-                    assert_same(weightstream.load_weights(url, cache=str(after.socket)), state)
-                    assert stats(after.socket)["fleet"]["peer_bytes"] == size
-                assert origin_bytes(origin) == served, "the second daemon read the file from the origin"
-                assert "registering again" in paused.log()
-    finally:
-        remove(*first)
-        remove(*second)
+    with fleet_of(tmp_path, "/reoffer") as fleet, fleet.daemon("paused") as paused:
+        gateway = EtcdGateway([fleet.etcd])
+        assert_same(weightstream.load_weights(fleet.file, cache=str(paused.socket)), state)
+        served = origin_bytes(fleet.origin)
+        os.kill(paused.process.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while gateway.get_prefix("/reoffer/complete/") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert gateway.get_prefix("/reoffer/complete/") == {}, "the paused node's lease did not expire"
+        os.kill(paused.process.pid, signal.SIGCONT)
+        while not gateway.get_prefix("/reoffer/complete/") and time.monotonic() < deadline + 30:
+            time.sleep(0.2)
+        with fleet.daemon("after") as after:
+            assert_same(weightstream.load_weights(fleet.file, cache=str(after.socket)), state)
+            assert stats(after.socket)["fleet"]["peer_bytes"] == size
+        assert origin_bytes(fleet.origin) == served, "the second daemon read the file from the origin"
+        assert "registering again" in paused.log()
 
 
 def test_an_s3_origin_is_read_once_by_two_daemons(s3_endpoint, tmp_path: Path):
