@@ -16,13 +16,11 @@ from collections.abc import Callable, Mapping
 
 from weightstream.errors import CacheError, DeviceUnavailableError, redact
 from weightstream.nodecache.connection import CacheClient, daemon_uri, resolve_socket
-from weightstream.nodecache.protocol import close_all
+from weightstream.nodecache.protocol import KEY, close_all
 
 STOP_WAIT_S = 120.0
 """How long :meth:`NodeCache.stop` waits with ``wait=True`` (the daemon gives fills ``--stop-timeout``, 30 s by
 default)."""
-KEY_LENGTH = 32
-"""An entry's key: 32 lowercase hex digits (the daemon's ``references.KEY``)."""
 
 
 class NodeCache:
@@ -62,7 +60,7 @@ class NodeCache:
         if all:
             return self._ask({"op": "evict", "all": True})
         name = os.fspath(entry)  # type: ignore[arg-type]
-        is_key = len(name) == KEY_LENGTH and all_hex(name)
+        is_key = KEY.match(name) is not None
         return self._ask({"op": "evict", "key": name} if is_key else {"op": "evict", "uri": daemon_uri(name)})
 
     def prefetch(
@@ -156,13 +154,3 @@ class NodeCache:
             raise CacheError(
                 f"the cache daemon keeps no device copies on {device} ({uuid}); it serves {gpus or 'none'}"
             )
-
-
-def all_hex(text: str) -> bool:
-    """Whether ``text`` is lowercase hexadecimal digits only.
-
-    Example:
-        >>> all_hex("0123abcd"), all_hex("0123ABCD"), all_hex("model/")
-        (True, False, False)
-    """
-    return all(character in "0123456789abcdef" for character in text)

@@ -14,6 +14,7 @@ import array
 import hashlib
 import json
 import os
+import re
 import socket
 import struct
 import time
@@ -32,6 +33,8 @@ from weightstream.formats.strict_json import parse_json
 LENGTH = struct.Struct(">I")
 MAX_REQUEST_BYTES = 64 << 10
 """A request names one file and its storage options: 64 KiB is far more than any needs."""
+KEY = re.compile(r"^[0-9a-f]{32}$")
+"""An entry's (a segment's) key: the first 32 hex digits of a sha256."""
 MAX_ANSWER_BYTES = 16 << 20
 """An answer lists at most the cache's entries (``ls``): 16 MiB holds about 50,000."""
 MAX_FDS = 1

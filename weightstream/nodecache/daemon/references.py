@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import Iterator
 
-KEY = re.compile(r"^[0-9a-f]{32}$")
-"""A segment's key: the first 32 hex digits of a sha256."""
+from weightstream.nodecache.protocol import KEY
 
 
 def references(directory: str) -> dict[str, set[int]]:

@@ -33,8 +33,8 @@ from weightstream.errors import CacheConfigError, CacheError, CacheUnavailableEr
 from weightstream.formats.strict_json import parse_json
 from weightstream.nodecache.daemon.directory import MARKER, is_cache_file
 from weightstream.nodecache.daemon.limits import MEMORY_RESERVE_BYTES, cgroup_room, mem_available, tmpfs_huge_pages
-from weightstream.nodecache.daemon.references import KEY, references
-from weightstream.nodecache.protocol import HEAD_BYTES, head_digest
+from weightstream.nodecache.daemon.references import references
+from weightstream.nodecache.protocol import HEAD_BYTES, KEY, head_digest
 from weightstream.sources import REMOTE_SCHEMES
 from weightstream.sources.base import CheckedWhole, Source
 from weightstream.sources.local.file import DIRECT_ALIGNMENT
