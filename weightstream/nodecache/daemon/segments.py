@@ -206,10 +206,10 @@ class SegmentStore:
         fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
-                if source.size and fleet is not None and source.uri.startswith(REMOTE_SCHEMES):
-                    os.ftruncate(fd, source.size)
-                    fleet.fill(key, source, fd, threads, cancel)
-                elif source.size:
+                # A remote file with a fleet: its pieces from the fleet (False: etcd went away, the origin alone).
+                remote = fleet is not None and source.uri.startswith(REMOTE_SCHEMES)
+                from_fleet = bool(source.size) and remote and fleet.fill(key, source, fd, threads, cancel)  # type: ignore[union-attr]
+                if source.size and not from_fleet:
                     # Direct reads fill whole blocks: the file is padded while it fills, then cut to its size.
                     padded = -(-source.size // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT if source.direct else source.size
                     os.ftruncate(fd, padded)
@@ -351,7 +351,7 @@ def _read_whole(
             advise(address, length, mmap.MADV_HUGEPAGE)  # refused without transparent huge pages: 4 KiB pages
         view = memoryview((ctypes.c_ubyte * length).from_address(address)).cast("B")
         reads = [
-            pool.submit(_read_piece, source, offset, view[offset : offset + FILL_CHUNK_BYTES], cancel)
+            pool.submit(read_piece, source, offset, view[offset : offset + FILL_CHUNK_BYTES], cancel)
             for offset in range(0, length, FILL_CHUNK_BYTES)
         ]
         del view
@@ -372,7 +372,8 @@ def _read_whole(
         raise failure
 
 
-def _read_piece(source: Source, offset: int, buffer: memoryview, cancel: threading.Event | None) -> None:
+def read_piece(source: Source, offset: int, buffer: memoryview, cancel: threading.Event | None) -> None:
+    """``source``'s bytes from ``offset`` into ``buffer``, unless the daemon is stopping (``cancel`` set)."""
     if cancel is not None and cancel.is_set():
         raise CacheUnavailableError(f"{source.uri}: the cache daemon is stopping; its fill was cancelled")
     source.read_into(offset, buffer)

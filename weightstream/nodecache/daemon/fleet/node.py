@@ -10,32 +10,23 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import dataclasses
-import mmap
 import os
 import ssl
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
 
-from weightstream.errors import CacheConfigError, CacheUnavailableError, FleetUnavailableError, logger
+from weightstream.errors import CacheConfigError, FleetUnavailableError, logger
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
-from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill
+from weightstream.nodecache.daemon.fleet.fill import FleetFill
 from weightstream.nodecache.daemon.fleet.membership import Membership
-from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, nixl
+from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, memory_at, nixl
+from weightstream.nodecache.daemon.segments import FILL_CHUNK_BYTES, Segment, read_piece
 from weightstream.sources import REMOTE_SCHEMES
 from weightstream.sources.base import Source
-from weightstream.sources.local.raw_mapping import map_file, unmap
-
-if TYPE_CHECKING:
-    from weightstream.nodecache.daemon.segments import Segment
 
 log = logger(__name__)
-
-ORIGIN_CHUNK_BYTES = 16 << 20
-"""A piece read from the origin is this many parallel range reads (a remote store wants several in flight)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,40 +119,30 @@ class FleetNode:
         server = PieceServer(node)
         return cls(FleetFill(membership, PieceFetcher(node), server), membership, server)
 
-    def fill(
-        self,
-        key: str,
-        source: Source,
-        fd: int,
-        threads: int,
-        cancel: threading.Event | None,
-    ) -> None:
-        """Fill the file ``fd`` (``source.size`` bytes long already) with ``source``'s bytes, with the fleet's help;
-        from the origin alone where etcd went away (logged)."""
+    def fill(self, key: str, source: Source, fd: int, threads: int, cancel: threading.Event | None) -> bool:
+        """Fill the file ``fd`` with ``source``'s bytes with the fleet's help (sizing it first); False where etcd
+        went away (logged and counted): the caller then reads the whole file from the origin as it would alone."""
 
         def read_origin(offset: int, nbytes: int, into: int) -> None:
+            view = memory_at(into, nbytes)
             with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="weightstream-fleet-origin") as pool:
-                end = offset + nbytes
                 reads = [
-                    pool.submit(_read, source, at, min(ORIGIN_CHUNK_BYTES, end - at), into + at - offset, cancel)
-                    for at in range(offset, end, ORIGIN_CHUNK_BYTES)
+                    pool.submit(read_piece, source, offset + at, view[at : at + FILL_CHUNK_BYTES], cancel)
+                    for at in range(0, nbytes, FILL_CHUNK_BYTES)
                 ]
                 for read in reads:
                     read.result()
 
+        os.ftruncate(fd, source.size)
         try:
             stats = self._fill.fill(key, fd, source.size, read_origin)
         except FleetUnavailableError as error:
             log.warning("%s: the fleet's etcd went away (%s): filling from the origin alone", source.uri, error)
-            address = map_file(fd, source.size, mmap.PROT_READ | mmap.PROT_WRITE)
-            try:
-                read_origin(0, source.size, address)
-            finally:
-                unmap(address, source.size)
-            stats = FillStats(origin_bytes=source.size)
             self._count("fills_without_fleet", 1)
+            return False
         for name, value in dataclasses.asdict(stats).items():
             self._count(name, value)
+        return True
 
     def offer(self, segments: Iterable[Segment], path_of: Callable[[str], str]) -> int:
         """Offer the fleet the remote files this node already holds (its segments adopted at start); how many."""
@@ -196,9 +177,3 @@ class FleetNode:
     def _count(self, name: str, value: int) -> None:
         with self._lock:
             self.counters[name] += value
-
-
-def _read(source: Source, offset: int, nbytes: int, address: int, cancel: threading.Event | None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise CacheUnavailableError(f"{source.uri}: the cache daemon is stopping; its fill was cancelled")
-    source.read_into(offset, memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B"))
