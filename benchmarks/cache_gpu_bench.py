@@ -31,22 +31,10 @@ from weightstream.arguments import parse_size
 from weightstream.bench.cache_daemon import daemon_process
 from weightstream.bench.demo import demo_checkpoint
 
-DIGEST = """
-def digest(tensors):
-    # Per tensor, the sum of its bytes taken 256 MiB at a time: equal to the CPU's for the same bytes, on any device.
-    out = {}
-    for name, tensor in tensors.items():
-        flat, total = tensor.reshape(-1).view(torch.uint8), 0
-        for start in range(0, flat.numel(), 1 << 28):
-            total += int(flat[start : start + (1 << 28)].to(torch.int32).sum().item())
-        out[name] = total
-    return out
-"""
-
-LOAD = (
-    """
+LOAD = """
 import sys, time, json
 import torch, weightstream, weightstream.nodecache.client, weightstream.nodecache.gpu_import
+from weightstream.bench.digests import byte_sums
 torch.zeros(1, device="cuda")
 options = json.loads(sys.argv[2])
 started = time.perf_counter()
@@ -56,13 +44,9 @@ with weightstream.open(sys.argv[1], device="cuda", **options) as checkpoint:
 torch.cuda.synchronize()
 seconds = time.perf_counter() - started
 total = sum(t.numel() * t.element_size() for t in weights.values())
-"""
-    + DIGEST
-    + """
-print(json.dumps({"seconds": seconds, "bytes": total, "routes": routes, "digest": digest(weights),
+print(json.dumps({"seconds": seconds, "bytes": total, "routes": routes, "digest": byte_sums(weights),
                   "devices": sorted({str(t.device) for t in weights.values()})}))
 """
-)
 
 
 def run(checkpoint: str, options: dict) -> dict:
@@ -80,14 +64,11 @@ def run(checkpoint: str, options: dict) -> dict:
 
 
 def reference(checkpoint: str) -> dict[str, int]:
-    """The digest of the checkpoint loaded to the CPU, which every GPU load must match."""
-    import torch
-
+    """The byte sums of the checkpoint loaded to the CPU, which every GPU load must match."""
     import weightstream
+    from weightstream.bench.digests import byte_sums
 
-    namespace: dict = {"torch": torch}
-    exec(DIGEST, namespace)  # noqa: S102 - the same digest function the loads run, defined once above
-    return namespace["digest"](weightstream.load_weights(checkpoint))
+    return byte_sums(weightstream.load_weights(checkpoint))
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ import torch
 import weightstream
 from weightstream.arguments import parse_size
 from weightstream.bench.demo import demo_checkpoint
+from weightstream.bench.digests import byte_sums
 from weightstream.errors import DeviceUnavailableError
 from weightstream.readers.destination import choose_destination
 from weightstream.registry import check_options
@@ -35,11 +36,6 @@ ROUTES = (
 )
 
 
-def digest(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Per tensor, the exact sum of its bytes (the same on any device)."""
-    return {name: int(t.reshape(-1).view(torch.uint8).to(torch.int64).sum()) for name, t in tensors.items()}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=parse_size, default=256 << 20)
@@ -48,7 +44,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print(f"built {uri}; no CUDA device: no route to check")
         return 77
-    expected = digest(weightstream.load_weights(uri))
+    expected = byte_sums(weightstream.load_weights(uri))
     failed = False
     for label, options in ROUTES:
         format = str(options.get("format", "safetensors"))
@@ -64,7 +60,7 @@ def main() -> int:
             print(f"{label:28s} FAILED: {type(error).__name__}: {error}")
             failed = True
             continue
-        got = digest(loaded)
+        got = byte_sums(loaded)
         wrong = sorted(name for name in expected if got.get(name) != expected[name])
         devices = sorted({str(t.device) for t in loaded.values()})
         status = "ok" if not wrong else f"FAILED: bytes differ in {wrong[:3]}"
