@@ -151,9 +151,10 @@ class _EntryFill:
             while pending:
                 self._check_failed()
                 records, holders = self.claims.pieces(self.entry), self._complete_holders()
+                digests = self._digests() if holders else {}
                 fetches = {}
                 for piece in sorted(pending):
-                    peer = self._peer_for(piece, records.get(piece), holders)
+                    peer = self._peer_for(piece, records.get(piece), holders, digests)
                     if peer is not None:
                         fetches[piece] = pool.submit(self._fetch, piece, *peer)
                     elif self._from_origin(piece, records.get(piece)):
@@ -170,13 +171,13 @@ class _EntryFill:
         offset = piece * self.fleet.piece_bytes
         return offset, min(self.fleet.piece_bytes, self.size - offset)
 
-    def _peer_for(self, piece: int, record: dict[str, object] | None, holders: list[str]) -> tuple[str, str] | None:
+    def _peer_for(
+        self, piece: int, record: dict[str, object] | None, holders: list[str], digests: dict[int, str]
+    ) -> tuple[str, str] | None:
         """(peer, sha256) to fetch ``piece`` from now: a node holding the whole entry (a late joiner's way), else the
         node that read the piece from the origin; None when no peer has it yet."""
-        if holders:
-            digest = self.fleet.etcd.get(self.fleet.key("digests", self.entry, str(piece)))
-            if digest is not None:
-                return holders[piece % len(holders)], digest.decode()
+        if holders and piece in digests:
+            return holders[piece % len(holders)], digests[piece]
         if record is not None and record.get("state") == "done" and record.get("node") != self.fleet.node:
             return str(record["node"]), str(record["sha256"])
         return None
@@ -228,6 +229,13 @@ class _EntryFill:
         with self._lock:
             for name, value in counts.items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)
+
+    def _digests(self) -> dict[int, str]:
+        """Every published piece digest of the entry, by piece (one range request, not one per piece)."""
+        prefix = self.fleet.key("digests", self.entry) + "/"
+        return {
+            int(key.removeprefix(prefix)): value.decode() for key, value in self.fleet.etcd.get_prefix(prefix).items()
+        }
 
     def _complete_holders(self) -> list[str]:
         """The other nodes holding the whole entry."""
