@@ -167,6 +167,11 @@ class RangeServer(LoopbackServer):
 
         super().__init__(Handler, host, "test-range-server")
 
+    def ranged_bytes(self) -> int:
+        """Bytes the range GETs so far asked for (what a client read from this origin)."""
+        ranges = [re.search(r"bytes=(\d+)-(\d+)", line) for line in self.requests if line.startswith("GET")]
+        return sum(int(match[2]) - int(match[1]) + 1 for match in ranges if match)
+
     def pace(self, nbytes: int, rate: float) -> None:
         """Wait for ``nbytes`` of the server's shared sending budget at ``rate`` bytes per second."""
         with self._pace:

@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -72,11 +71,6 @@ def fleet_of(tmp_path: Path, prefix: str) -> Iterator[Fleet]:
             remove(*place)
 
 
-def origin_bytes(server: RangeServer) -> int:
-    ranges = [re.search(r"bytes=(\d+)-(\d+)", line) for line in server.requests if line.startswith("GET")]
-    return sum(int(match[2]) - int(match[1]) + 1 for match in ranges if match)
-
-
 def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Path):
     state, size = origin_file(tmp_path, 1024, 12)
     daemons: list[Daemon] = []
@@ -95,7 +89,7 @@ def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Pa
                 ]
                 for load in loads:
                     assert_same(load.result(), state)
-            served = origin_bytes(origin)
+            served = origin.ranged_bytes()
             assert served <= 1.1 * size, f"the origin served {served / size:.2f}x the file to three daemons"
             fleets = [stats(daemon.socket)["fleet"] for daemon in daemons[:3]]
             assert sum(f["origin_bytes"] for f in fleets) == size, fleets
@@ -103,7 +97,7 @@ def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Pa
             assert_same(weightstream.load_weights(url, cache=str(daemons[3].socket)), state)
             late = stats(daemons[3].socket)["fleet"]
             assert (late["origin_bytes"], late["peer_bytes"]) == (0, size), late
-            assert origin_bytes(origin) == served, "the late daemon read from the origin"
+            assert origin.ranged_bytes() == served, "the late daemon read from the origin"
             listed = subprocess.run(
                 [sys.executable, "-m", "weightstream.cli", "cache", "fleet", "--fleet", fleet, "--json"],
                 capture_output=True, text=True, timeout=60, check=True, cwd=ROOT,
@@ -188,12 +182,12 @@ def test_a_restarted_daemon_offers_what_it_adopted(tmp_path: Path):
     with fleet_of(tmp_path, "/restart") as fleet:
         with fleet.daemon("first") as daemon:
             assert_same(weightstream.load_weights(fleet.file, cache=str(daemon.socket)), state)
-        served = origin_bytes(fleet.origin)
+        served = fleet.origin.ranged_bytes()
         with fleet.daemon("first") as restarted, fleet.daemon("second") as joiner:
             assert restarted.status["adopted"] == 1
             assert_same(weightstream.load_weights(fleet.file, cache=str(joiner.socket)), state)
             assert stats(joiner.socket)["fleet"]["peer_bytes"] == size
-            assert origin_bytes(fleet.origin) == served, "the joiner read the file from the origin"
+            assert fleet.origin.ranged_bytes() == served, "the joiner read the file from the origin"
 
 
 def test_a_daemon_whose_lease_expired_offers_its_files_again(tmp_path: Path):
@@ -207,7 +201,7 @@ def test_a_daemon_whose_lease_expired_offers_its_files_again(tmp_path: Path):
     with fleet_of(tmp_path, "/reoffer") as fleet, fleet.daemon("paused") as paused:
         gateway = EtcdGateway([fleet.etcd])
         assert_same(weightstream.load_weights(fleet.file, cache=str(paused.socket)), state)
-        served = origin_bytes(fleet.origin)
+        served = fleet.origin.ranged_bytes()
         os.kill(paused.process.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 30
         while gateway.get_prefix("/reoffer/complete/") and time.monotonic() < deadline:
@@ -219,7 +213,7 @@ def test_a_daemon_whose_lease_expired_offers_its_files_again(tmp_path: Path):
         with fleet.daemon("after") as after:
             assert_same(weightstream.load_weights(fleet.file, cache=str(after.socket)), state)
             assert stats(after.socket)["fleet"]["peer_bytes"] == size
-        assert origin_bytes(fleet.origin) == served, "the second daemon read the file from the origin"
+        assert fleet.origin.ranged_bytes() == served, "the second daemon read the file from the origin"
         assert "registering again" in paused.log()
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -60,12 +59,6 @@ class Node:
         assert code == 0, said
 
 
-def origin_bytes(server: RangeServer) -> int:
-    """Bytes of range GETs the origin answered."""
-    ranges = [re.search(r"bytes=(\d+)-(\d+)", line) for line in server.requests if line.startswith("GET")]
-    return sum(int(match[2]) - int(match[1]) + 1 for match in ranges if match)
-
-
 @pytest.fixture
 def origin(tmp_path: Path):
     data = os.urandom(MIB) * 40 + os.urandom(8 * MIB)  # 48 MiB: six pieces
@@ -83,13 +76,13 @@ def test_a_storm_of_three_reads_the_origin_once_and_a_late_joiner_not_at_all(etc
         assert all(node.output.read_bytes() == data for node in nodes)
         assert sum(s["origin_bytes"] for s in stats) == len(data), stats
         assert sum(s["peer_bytes"] for s in stats) == 2 * len(data), stats
-        assert origin_bytes(server) <= 1.1 * len(data), f"the origin served {origin_bytes(server)} bytes"
-        before = origin_bytes(server)
+        assert server.ranged_bytes() <= 1.1 * len(data), f"the origin served {server.ranged_bytes()} bytes"
+        before = server.ranged_bytes()
         late = Node(etcd, "/storm", "late", url, tmp_path / "late")
         joined = late.stats()
         assert late.output.read_bytes() == data
         assert (joined["origin_bytes"], joined["peer_bytes"]) == (0, len(data)), joined
-        assert origin_bytes(server) == before, "the late joiner read from the origin"
+        assert server.ranged_bytes() == before, "the late joiner read from the origin"
         late.leave()
     finally:
         for node in nodes:
@@ -125,7 +118,7 @@ def test_a_peer_killed_mid_storm_costs_only_its_unfinished_pieces(etcd: str, ori
     try:
         stats = [node.stats() for node in survivors]
         assert all(node.output.read_bytes() == data for node in survivors)
-        assert origin_bytes(server) <= 2 * len(data), f"{origin_bytes(server) / len(data):.2f}x from the origin"
+        assert server.ranged_bytes() <= 2 * len(data), f"{server.ranged_bytes() / len(data):.2f}x from the origin"
         assert sum(s["origin_bytes"] + s["refetched_bytes"] for s in stats) >= len(data) - server.body_bytes
     finally:
         for node in survivors:
