@@ -336,6 +336,45 @@ def test_a_remote_source_is_read_for_another_user_only_with_its_own_credentials(
         remove(directory, sock)
 
 
+def test_a_fleet_lends_another_user_nothing_its_own_credentials_would_not_read(guarded_s3, tmp_path, monkeypatch):
+    """Through a fleet, a piece may come from a peer instead of the origin: a client of another user still gets bytes
+    only once its own credentials read the origin (the daemon asks it first), never because a peer holds them."""
+    pytest.importorskip("nixl_cu12", reason="the fleet's data plane needs NIXL (pip install 'weightstream[fleet]')")
+    from tests.etcd_server import etcd_server
+    from tests.objstore import KEYS, s3_client
+
+    save_file(state(10), str(tmp_path / "model.safetensors"))
+    s3_client(guarded_s3).put_object(
+        Bucket="bench", Key="fleet/model.safetensors", Body=(tmp_path / "model.safetensors").read_bytes()
+    )
+    uri = "s3://bench/fleet/model.safetensors"
+    for name, value in {**KEYS, "AWS_ENDPOINT_URL": guarded_s3}.items():
+        monkeypatch.setenv(name, value)  # the daemons' own credentials: the admin's
+    holder, server = cache_places("fleetsecholder"), cache_places("fleetsecserver")
+    try:
+        with etcd_server(tmp_path) as etcd:
+            fleet = ("--fleet", etcd.replace("http://", "etcd://") + "/security", "--group", str(GROUP))
+            with (
+                Daemon(*holder, *fleet, "--fleet-node", "holder") as filled,
+                Daemon(*server, *fleet, "--fleet-node", "server") as serving,
+            ):
+                assert_same(weightstream.load_weights(uri, cache=str(filled.socket)), state(10))  # its owner
+                refused = load_as(NOBODY, uri, serving.socket)
+                assert refused["error"] == "CacheRefusedError", refused
+                denied = load_as(NOBODY, uri, serving.socket, storage_options=STRANGER)
+                assert denied["error"] in ("SourceError", "AccessDeniedError"), denied
+                assert request(serving.socket, {"op": "stats"})["fleet"]["peer_bytes"] == 0, "a peer's bytes lent"
+                assert load_as(NOBODY, uri, serving.socket, storage_options=READER) == {"sums": sums(state(10))}
+                served = request(serving.socket, {"op": "stats"})["fleet"]
+                assert (served["origin_bytes"], served["peer_bytes"]) == (
+                    0,
+                    (tmp_path / "model.safetensors").stat().st_size,
+                )
+    finally:
+        remove(*holder)
+        remove(*server)
+
+
 DAEMON_USER = 4321
 """The daemon's own user in the service deployment (no root anywhere)."""
 
