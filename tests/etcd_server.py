@@ -8,6 +8,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.netns import HUB_ADDRESS, Network
 from tests.objstore import _wait_for, free_port, stop, tempfile_directory
 
 PACKAGE = "etcd-server"
@@ -25,28 +26,35 @@ def etcd_binary() -> str:
 
 
 @contextlib.contextmanager
-def etcd_server(directory: Path) -> Iterator[str]:
-    """etcd with its data in ``directory``; yields its client URL (``http://127.0.0.1:PORT``)."""
-    client, peer = free_port(), free_port()
-    url = f"http://127.0.0.1:{client}"
+def etcd_server(directory: Path, network: Network | None = None) -> Iterator[str]:
+    """etcd with its data in ``directory``; yields its client URL (``http://127.0.0.1:PORT``, or on ``network``'s hub
+    when one is given: ``http://10.213.0.1:2379``, reachable from its machines only)."""
+    if network is None:
+        host, client, peer, wrap, inside = "127.0.0.1", free_port(), free_port(), [], contextlib.nullcontext()
+    else:
+        host, client, peer, inside = HUB_ADDRESS, 2379, 2380, network.inside()
+        wrap = ["ip", "netns", "exec", network.hub]
+    url = f"http://{host}:{client}"
     log = directory / "etcd.log"
     with open(log, "w") as output:
         process = subprocess.Popen(
             [
+                *wrap,
                 etcd_binary(),
                 "--name", "weightstream-test",
                 "--data-dir", str(directory / "data"),
                 "--listen-client-urls", url,
                 "--advertise-client-urls", url,
-                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-cluster", f"weightstream-test=http://127.0.0.1:{peer}",
+                "--listen-peer-urls", f"http://{host}:{peer}",
+                "--initial-advertise-peer-urls", f"http://{host}:{peer}",
+                "--initial-cluster", f"weightstream-test=http://{host}:{peer}",
             ],
             stdout=output,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        _wait_for(f"{url}/health", process, log)
+        with inside:
+            _wait_for(f"{url}/health", process, log)
         yield url
     finally:
         stop(process)
