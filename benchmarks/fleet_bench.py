@@ -181,7 +181,7 @@ def main() -> int:
             before = origin.body_bytes
             late_s = storm(hosts, pair[1:], url, first=1)
             late_origin = origin.body_bytes - before
-            late_peer = stats(pair[1].socket)["fleet"]["peer_bytes"]
+            late_peer = stats(pair[1].socket)["fleet"]["bytes_from_peers"]
         link_s = peer_link_seconds(hosts, root / "origin" / "model.safetensors")
         results["late_joiner"] = {
             "seconds": late_s,

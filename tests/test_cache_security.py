@@ -363,10 +363,10 @@ def test_a_fleet_lends_another_user_nothing_its_own_credentials_would_not_read(g
                 assert refused["error"] == "CacheRefusedError", refused
                 denied = load_as(NOBODY, uri, serving.socket, storage_options=STRANGER)
                 assert denied["error"] in ("SourceError", "AccessDeniedError"), denied
-                assert request(serving.socket, {"op": "stats"})["fleet"]["peer_bytes"] == 0, "a peer's bytes lent"
+                assert request(serving.socket, {"op": "stats"})["fleet"]["bytes_from_peers"] == 0, "a peer's bytes lent"
                 assert load_as(NOBODY, uri, serving.socket, storage_options=READER) == {"sums": sums(state(10))}
                 served = request(serving.socket, {"op": "stats"})["fleet"]
-                assert (served["origin_bytes"], served["peer_bytes"]) == (
+                assert (served["bytes_from_origin"], served["bytes_from_peers"]) == (
                     0,
                     (tmp_path / "model.safetensors").stat().st_size,
                 )

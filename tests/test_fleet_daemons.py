@@ -92,12 +92,19 @@ def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Pa
             served = origin.ranged_bytes()
             assert served <= 1.1 * size, f"the origin served {served / size:.2f}x the file to three daemons"
             fleets = [stats(daemon.socket)["fleet"] for daemon in daemons[:3]]
-            assert sum(f["origin_bytes"] for f in fleets) == size, fleets
-            assert sum(f["peer_bytes"] for f in fleets) == 2 * size, fleets
+            assert sum(f["bytes_from_origin"] for f in fleets) == size, fleets
+            assert sum(f["bytes_from_peers"] for f in fleets) == 2 * size, fleets
             assert_same(weightstream.load_weights(url, cache=str(daemons[3].socket)), state)
             late = stats(daemons[3].socket)["fleet"]
-            assert (late["origin_bytes"], late["peer_bytes"]) == (0, size), late
+            assert (late["bytes_from_origin"], late["bytes_from_peers"]) == (0, size), late
             assert origin.ranged_bytes() == served, "the late daemon read from the origin"
+            everyone = [stats(daemon.socket)["fleet"] for daemon in daemons]
+            assert sum(f["bytes_served_to_peers"] for f in everyone) == 3 * size, everyone
+            assert everyone[3]["bytes_served_to_peers"] == 0, "the late daemon served bytes it had not been asked for"
+            for counts in everyone:
+                (entry,) = counts["entries"].values()
+                assert entry["bytes_from_origin"] + entry["bytes_from_peers"] == size, counts
+                assert entry["bytes_served_to_peers"] == counts["bytes_served_to_peers"], counts
             listed = subprocess.run(
                 [sys.executable, "-m", "weightstream.cli", "cache", "fleet", "--fleet", fleet, "--json"],
                 capture_output=True, text=True, timeout=60, check=True, cwd=ROOT,
@@ -172,7 +179,7 @@ def test_a_node_whose_budget_cannot_hold_the_file_refuses_and_the_others_go_on(t
         with pytest.raises(CacheFullError):
             weightstream.load_weights(fleet.file, cache=str(tight.socket))
         assert_same(weightstream.load_weights(fleet.file, cache=str(ample.socket)), state)
-        assert stats(tight.socket)["fleet"]["origin_bytes"] == 0
+        assert stats(tight.socket)["fleet"]["bytes_from_origin"] == 0
 
 
 def test_a_restarted_daemon_offers_what_it_adopted(tmp_path: Path):
@@ -186,7 +193,7 @@ def test_a_restarted_daemon_offers_what_it_adopted(tmp_path: Path):
         with fleet.daemon("first") as restarted, fleet.daemon("second") as joiner:
             assert restarted.status["adopted"] == 1
             assert_same(weightstream.load_weights(fleet.file, cache=str(joiner.socket)), state)
-            assert stats(joiner.socket)["fleet"]["peer_bytes"] == size
+            assert stats(joiner.socket)["fleet"]["bytes_from_peers"] == size
             assert fleet.origin.ranged_bytes() == served, "the joiner read the file from the origin"
 
 
@@ -212,7 +219,7 @@ def test_a_daemon_whose_lease_expired_offers_its_files_again(tmp_path: Path):
             time.sleep(0.2)
         with fleet.daemon("after") as after:
             assert_same(weightstream.load_weights(fleet.file, cache=str(after.socket)), state)
-            assert stats(after.socket)["fleet"]["peer_bytes"] == size
+            assert stats(after.socket)["fleet"]["bytes_from_peers"] == size
         assert fleet.origin.ranged_bytes() == served, "the second daemon read the file from the origin"
         assert "registering again" in paused.log()
 
@@ -242,8 +249,8 @@ def test_an_s3_origin_is_read_once_by_two_daemons(s3_endpoint, tmp_path: Path):
                 for load in loads:
                     assert_same(load.result(), state)
                 fleets = [stats(daemon.socket)["fleet"] for daemon in (first, second)]
-            assert sum(f["origin_bytes"] for f in fleets) == size, fleets
-            assert sum(f["peer_bytes"] for f in fleets) == size, fleets
+            assert sum(f["bytes_from_origin"] for f in fleets) == size, fleets
+            assert sum(f["bytes_from_peers"] for f in fleets) == size, fleets
     finally:
         for place in places:
             remove(*place)

@@ -74,14 +74,14 @@ def test_a_storm_of_three_reads_the_origin_once_and_a_late_joiner_not_at_all(etc
     stats = [node.stats() for node in nodes]
     try:
         assert all(node.output.read_bytes() == data for node in nodes)
-        assert sum(s["origin_bytes"] for s in stats) == len(data), stats
-        assert sum(s["peer_bytes"] for s in stats) == 2 * len(data), stats
+        assert sum(s["bytes_from_origin"] for s in stats) == len(data), stats
+        assert sum(s["bytes_from_peers"] for s in stats) == 2 * len(data), stats
         assert server.ranged_bytes() <= 1.1 * len(data), f"the origin served {server.ranged_bytes()} bytes"
         before = server.ranged_bytes()
         late = Node(etcd, "/storm", "late", url, tmp_path / "late")
         joined = late.stats()
         assert late.output.read_bytes() == data
-        assert (joined["origin_bytes"], joined["peer_bytes"]) == (0, len(data)), joined
+        assert (joined["bytes_from_origin"], joined["bytes_from_peers"]) == (0, len(data)), joined
         assert server.ranged_bytes() == before, "the late joiner read from the origin"
         late.leave()
     finally:
@@ -92,13 +92,14 @@ def test_a_storm_of_three_reads_the_origin_once_and_a_late_joiner_not_at_all(etc
 def test_a_peer_serving_bad_bytes_is_caught_and_its_piece_read_again(etcd: str, origin, tmp_path: Path):
     _, url, data = origin
     bad = Node(etcd, "/corrupt", "bad", url, tmp_path / "bad", "--corrupt")
-    assert bad.stats()["origin_bytes"] == len(data)
+    assert bad.stats()["bytes_from_origin"] == len(data)
     try:
         good = Node(etcd, "/corrupt", "good", url, tmp_path / "good")
         filled = good.stats()
         assert good.output.read_bytes() == data, "a corrupted piece was kept"
-        assert filled["peer_failures"] == 1 and filled["refetched_bytes"] == PIECE, filled
-        assert filled["peer_bytes"] == len(data) - PIECE
+        assert filled["peer_failures"] == 1 and filled["bytes_refetched"] == PIECE, filled
+        assert (filled["pieces_refetched"], filled["pieces_verified"]) == (1, len(data) // PIECE - 1), filled
+        assert filled["bytes_from_peers"] == len(data) - PIECE
         good.leave()
     finally:
         bad.leave()
@@ -119,7 +120,7 @@ def test_a_peer_killed_mid_storm_costs_only_its_unfinished_pieces(etcd: str, ori
         stats = [node.stats() for node in survivors]
         assert all(node.output.read_bytes() == data for node in survivors)
         assert server.ranged_bytes() <= 2 * len(data), f"{server.ranged_bytes() / len(data):.2f}x from the origin"
-        assert sum(s["origin_bytes"] + s["refetched_bytes"] for s in stats) >= len(data) - server.body_bytes
+        assert sum(s["bytes_from_origin"] + s["bytes_refetched"] for s in stats) >= len(data) - server.body_bytes
     finally:
         for node in survivors:
             node.leave()

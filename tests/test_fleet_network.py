@@ -76,15 +76,15 @@ def test_nodes_on_their_own_links_read_the_origin_once(tmp_path: Path):
         served = origin.ranged_bytes()
         assert served <= 1.1 * size, f"the origin served {served / size:.2f}x the file to three machines"
         fleets = [stats(daemon.socket)["fleet"] for daemon in daemons[:3]]
-        assert sum(f["origin_bytes"] for f in fleets) == size, fleets
-        assert sum(f["peer_bytes"] for f in fleets) == 2 * size, fleets
+        assert sum(f["bytes_from_origin"] for f in fleets) == size, fleets
+        assert sum(f["bytes_from_peers"] for f in fleets) == 2 * size, fleets
         for node, daemon_fleet in zip(nodes, fleets):
-            assert network.received_bytes(node) >= daemon_fleet["origin_bytes"] + daemon_fleet["peer_bytes"]
+            assert network.received_bytes(node) >= daemon_fleet["bytes_from_origin"] + daemon_fleet["bytes_from_peers"]
 
         before = network.received_bytes(nodes[3])
         assert_same(load_on(network, nodes[3], url, daemons[3]), state)
         late = stats(daemons[3].socket)["fleet"]
-        assert (late["origin_bytes"], late["peer_bytes"]) == (0, size), late
+        assert (late["bytes_from_origin"], late["bytes_from_peers"]) == (0, size), late
         assert origin.ranged_bytes() == served, "the late machine read from the origin"
         assert network.received_bytes(nodes[3]) - before >= size, "the peer bytes did not cross the late node's link"
 

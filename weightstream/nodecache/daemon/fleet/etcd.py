@@ -87,8 +87,13 @@ class EtcdGateway:
 
     def get(self, key: str) -> bytes | None:
         """``key``'s value, or None."""
+        held = self.get_held(key)
+        return None if held is None else held[0]
+
+    def get_held(self, key: str) -> tuple[bytes, int] | None:
+        """``key``'s value and the lease that holds it (0: none), or None."""
         kvs = self._call("/v3/kv/range", {"key": _b64(key.encode())}).get("kvs", [])
-        return _unb64(kvs[0].get("value", "")) if kvs else None
+        return (_unb64(kvs[0].get("value", "")), int(kvs[0].get("lease", 0))) if kvs else None
 
     def get_prefix(self, prefix: str) -> dict[str, bytes]:
         """Every key under ``prefix`` with its value."""

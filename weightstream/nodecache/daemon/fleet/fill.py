@@ -9,11 +9,13 @@ Keys (under the fleet's prefix; the entry key already holds the origin's version
   outlives that node, for every later fetch to be checked);
 - ``segments/{entry}/{node}``: where ``node``'s copy of the entry is, for peers to read (under its lease);
 - ``complete/{entry}/{node}``: ``node`` holds every piece (under its lease): a late joiner's source;
-- ``failed/{entry}``: the origin changed (or failed for good) under a node: every node's fill ends with that error.
+- ``failed/{entry}``: the origin changed (or failed for good) under a node: every node's fill ends with that error;
+- ``served/{node}/{entry}/{fetcher}``: the bytes of ``entry`` that ``fetcher`` has read from ``node`` (NIXL reads are
+  one-sided: the node that serves them never sees them, so its readers count them), under ``node``'s lease.
 
 Example:
     >>> stats = FleetFill(fleet, fetcher, server).fill(entry, fd, size, read_origin)  # doctest: +SKIP
-    >>> stats.origin_bytes, stats.peer_bytes  # doctest: +SKIP
+    >>> stats.bytes_from_origin, stats.bytes_from_peers  # doctest: +SKIP
     (67108864, 201326592)
 """
 
@@ -28,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from weightstream.errors import FleetPeerError, SourceChangedError, logger
+from weightstream.errors import FleetPeerError, FleetUnavailableError, SourceChangedError, logger
 from weightstream.nodecache.daemon.fleet.claims import Claims
 from weightstream.nodecache.daemon.fleet.membership import Membership
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, memory_at
@@ -54,11 +56,14 @@ ReadOrigin = Callable[[int, int, int], None]
 class FillStats:
     """Where one fill's bytes came from."""
 
-    origin_bytes: int = 0
-    peer_bytes: int = 0
-    refetched_bytes: int = 0
-    """Pieces a peer served that failed their check (or that a peer failed to serve), read from the origin again."""
+    bytes_from_origin: int = 0
+    bytes_from_peers: int = 0
     pieces_verified: int = 0
+    """Pieces read from peers that matched their digest."""
+    pieces_refetched: int = 0
+    """Pieces a peer served that failed their check (or that a peer failed to serve, or whose claimer stalled), read
+    from the origin again."""
+    bytes_refetched: int = 0
     peer_failures: int = 0
 
 
@@ -80,6 +85,8 @@ class FleetFill:
         self.piece_bytes, self.stall_s = piece_bytes, stall_s
         self._offered: dict[str, bytes] = {}
         """Each entry this node holds whole, and where peers read it (put again under a new lease)."""
+        self._read_from: dict[tuple[str, str], int] = {}
+        """Bytes this node has read from each (peer, entry), to report as the peer's ``served`` count."""
         membership.on_registered_again = self._offer_again
 
     def fill(self, entry: str, fd: int, size: int, read_origin: ReadOrigin) -> FillStats:
@@ -94,7 +101,11 @@ class FleetFill:
         try:
             where = self.server.publish(entry, fd, size)
             self.etcd.put(self.key("segments", entry, self.node), json.dumps(where).encode(), self.membership.lease)
-            stats = _EntryFill(self, entry, address, size, read_origin).run()
+            entry_fill = _EntryFill(self, entry, address, size, read_origin)
+            try:
+                stats = entry_fill.run()
+            finally:
+                self._report_served(entry, entry_fill.read_from)
             self._offered[entry] = json.dumps(where).encode()
             self.etcd.put(self.key("complete", entry, self.node), self._offered[entry], self.membership.lease)
             return stats
@@ -107,6 +118,29 @@ class FleetFill:
             raise
         finally:
             unmap(address, size)
+
+    def served_to_peers(self) -> dict[str, int]:
+        """The bytes of each entry this node's peers have read from it (what they reported).
+
+        Raises:
+            FleetUnavailableError: etcd does not answer.
+        """
+        prefix = f"{self.prefix}served/{self.node}/"
+        served: dict[str, int] = {}
+        for key, value in self.etcd.get_prefix(prefix).items():
+            entry = key.removeprefix(prefix).split("/")[0]
+            served[entry] = served.get(entry, 0) + int(value)
+        return served
+
+    def _report_served(self, entry: str, read_from: dict[str, tuple[int, int]]) -> None:
+        """Tell each peer this fill read from (with the lease of the peer's offer, so the count goes when it does)
+        how many bytes of ``entry`` it has served this node in all."""
+        for peer, (nbytes, lease) in read_from.items():
+            total = self._read_from[peer, entry] = self._read_from.get((peer, entry), 0) + nbytes
+            try:
+                self.etcd.put(f"{self.prefix}served/{peer}/{entry}/{self.node}", str(total).encode(), lease)
+            except FleetUnavailableError as error:
+                log.info("%s: %d bytes read from %s not reported (%s)", entry, nbytes, peer, error)
 
     def offer(self, entry: str, fd: int, size: int) -> None:
         """Offer ``entry``, held whole in the file ``fd`` (a segment this node had before it joined: adopted at
@@ -142,6 +176,8 @@ class _EntryFill:
         self.fleet, self.entry, self.address, self.size, self.read_origin = fleet, entry, address, size, read_origin
         self.claims = Claims(fleet.etcd, fleet.prefix, fleet.node, fleet.membership.lease)
         self.stats = FillStats()
+        self.read_from: dict[str, tuple[int, int]] = {}
+        """Bytes read from each peer, and the lease of that peer's offer."""
         self._lock = threading.Lock()
         self._waiting_since: dict[int, float] = {}
 
@@ -194,7 +230,7 @@ class _EntryFill:
             sha256 = hashlib.sha256(memory_at(self.address + offset, nbytes)).hexdigest()
             self.fleet.etcd.put(self.fleet.key("digests", self.entry, str(piece)), sha256.encode())
             self.claims.done(self.entry, piece, sha256)
-            self._count(origin_bytes=nbytes)
+            self._count(bytes_from_origin=nbytes)
             return True
         started = self._waiting_since.setdefault(piece, time.monotonic())
         if time.monotonic() - started < self.fleet.stall_s:
@@ -202,16 +238,17 @@ class _EntryFill:
         log.warning("%s piece %d: claimed by %s for %.0f s and not done: reading it from the origin", self.entry,
                     piece, record.get("node"), self.fleet.stall_s)  # fmt: skip
         self.read_origin(offset, nbytes, self.address + offset)
-        self._count(refetched_bytes=nbytes)
+        self._count(pieces_refetched=1, bytes_refetched=nbytes)
         return True
 
     def _fetch(self, piece: int, peer: str, sha256: str) -> None:
         """``piece`` from ``peer``, checked against ``sha256``; from the origin where the peer fails."""
         offset, nbytes = self._span(piece)
-        where = self.fleet.etcd.get(self.fleet.key("segments", self.entry, peer))
+        offered = self.fleet.etcd.get_held(self.fleet.key("segments", self.entry, peer))
         try:
-            if where is None:
+            if offered is None:
                 raise FleetPeerError(f"{peer}: no longer in the fleet")
+            where, lease = offered
             self.fleet.fetcher.read(peer, json.loads(where), offset, nbytes, self.address + offset, sha256)
         except FleetPeerError as error:
             self.fleet.fetcher.forget(peer)
@@ -221,9 +258,11 @@ class _EntryFill:
                 raise SourceChangedError(
                     f"{self.entry} piece {piece}: the origin's bytes no longer hash to what its claimer read"
                 ) from None
-            self._count(peer_failures=1, refetched_bytes=nbytes)
+            self._count(peer_failures=1, pieces_refetched=1, bytes_refetched=nbytes)
             return
-        self._count(peer_bytes=nbytes, pieces_verified=1)
+        self._count(bytes_from_peers=nbytes, pieces_verified=1)
+        with self._lock:
+            self.read_from[peer] = (self.read_from.get(peer, (0, 0))[0] + nbytes, lease)
 
     def _count(self, **counts: int) -> None:
         with self._lock:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from weightstream.errors import CacheConfigError, FleetUnavailableError, logger
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
-from weightstream.nodecache.daemon.fleet.fill import FleetFill
+from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill
 from weightstream.nodecache.daemon.fleet.membership import Membership
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, memory_at, nixl
 from weightstream.nodecache.daemon.segments import FILL_CHUNK_BYTES, Segment, read_piece
@@ -101,8 +101,9 @@ class FleetNode:
 
     def __init__(self, fill: FleetFill, membership: Membership, server: PieceServer) -> None:
         self._fill, self.membership, self.server = fill, membership, server
-        self.counters = {"origin_bytes": 0, "peer_bytes": 0, "refetched_bytes": 0, "pieces_verified": 0,
-                         "peer_failures": 0, "fills_without_fleet": 0}  # fmt: skip
+        self.counters = {**dataclasses.asdict(FillStats()), "fills_without_fleet": 0}
+        self.entries: dict[str, dict[str, int]] = {}
+        """Where each entry filled since the daemon started got its bytes (as ``counters``, for that entry)."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -140,8 +141,11 @@ class FleetNode:
             log.warning("%s: the fleet's etcd went away (%s): filling from the origin alone", source.uri, error)
             self._count("fills_without_fleet", 1)
             return False
-        for name, value in dataclasses.asdict(stats).items():
-            self._count(name, value)
+        with self._lock:
+            counts = self.entries.setdefault(key, dataclasses.asdict(FillStats()))
+            for name, value in dataclasses.asdict(stats).items():
+                self.counters[name] += value
+                counts[name] += value
         return True
 
     def offer(self, segments: Iterable[Segment], path_of: Callable[[str], str]) -> int:
@@ -166,8 +170,28 @@ class FleetNode:
             log.warning("fleet: %s evicted, but etcd was not told (%s): its keys go with this node's lease", key, error)
 
     def status(self) -> dict[str, object]:
+        """This node's counts in all and per entry, with the bytes its peers read from it (asked of etcd: None, with
+        ``etcd_error``, when it does not answer).
+
+        Example:
+            >>> node.status()["bytes_served_to_peers"]  # doctest: +SKIP
+            268435456
+        """
+        try:
+            served: dict[str, int] | None = self._fill.served_to_peers()
+            trouble = None
+        except FleetUnavailableError as error:
+            served, trouble = None, str(error)
         with self._lock:
-            return {"node": self.membership.node, **self.counters}
+            entries = {key: dict(counts) for key, counts in self.entries.items()}
+            counters = dict(self.counters)
+        for key, nbytes in (served or {}).items():
+            entries.setdefault(key, dataclasses.asdict(FillStats()))["bytes_served_to_peers"] = nbytes
+        for counts in entries.values():
+            counts.setdefault("bytes_served_to_peers", 0 if served is not None else None)
+        total = None if served is None else sum(served.values())
+        return {"node": self.membership.node, **counters, "bytes_served_to_peers": total, "etcd_error": trouble,
+                "entries": entries}  # fmt: skip
 
     def close(self) -> None:
         """Leave the fleet (the lease revoked: every claim and offer of this node goes with it)."""
