@@ -166,6 +166,9 @@ def _wait_for_bucket(endpoint: str, process: subprocess.Popen, log: Path) -> Non
         while time.monotonic() < deadline:
             with contextlib.suppress(botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
                 client.list_objects_v2(Bucket=BUCKET, MaxKeys=1)
+                # Listing works before a volume takes writes (an InternalError on PUT, seen on a loaded machine).
+                client.put_object(Bucket=BUCKET, Key=".weightstream-ready", Body=b"ready")
+                client.delete_object(Bucket=BUCKET, Key=".weightstream-ready")
                 return
             time.sleep(0.2)
     finally:

@@ -103,6 +103,7 @@ def test_evictions_racing_attaches_drop_no_client(tmp_path, places):
                 except Exception as error:  # noqa: BLE001  # any failure of any client fails the test
                     failures.append(error)
                     return
+                stop.wait(0.01)  # between loads the entry is unreferenced: evictable (on a loaded machine too)
 
         def evict() -> None:
             while not stop.is_set():
