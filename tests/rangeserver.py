@@ -81,6 +81,7 @@ class RangeServer(LoopbackServer):
         """Bytes of bodies sent so far."""
         self._pace = threading.Lock()
         self._next_send = 0.0
+        self._etags: dict[tuple[int, ...], str] = {}
         outer = self
 
         class Handler(QuietHandler):
@@ -120,8 +121,7 @@ class RangeServer(LoopbackServer):
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                data = path.read_bytes()
-                etag = '"' + hashlib.sha256(data).hexdigest()[:16] + '"'
+                etag, file_size = outer.etag(path)
                 behaviour = outer.misbehave
                 wanted = self.headers.get("If-Match")
                 if wanted is not None and wanted != etag and behaviour.honour_if_match:
@@ -129,16 +129,16 @@ class RangeServer(LoopbackServer):
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                size = behaviour.virtual_size or len(data)
+                size = behaviour.virtual_size or file_size
                 ranged = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range") or "")
                 if ranged and body:
                     first, last = int(ranged[1]), min(int(ranged[2]), size - 1)
-                    piece = data[first : last + 1].ljust(last + 1 - first, b"\0")
+                    piece = read_range(path, first, last + 1 - first).ljust(last + 1 - first, b"\0")
                     self.send_response(206)
                     total = behaviour.content_range_total if behaviour.content_range_total is not None else size
                     self.send_header("Content-Range", f"bytes {first}-{last}/{total}")
                 else:
-                    piece = data if body else b""
+                    piece = path.read_bytes() if body else b""
                     self.send_response(200)
                 self.send_header("ETag", etag)
                 length = (
@@ -172,6 +172,23 @@ class RangeServer(LoopbackServer):
         ranges = [re.search(r"bytes=(\d+)-(\d+)", line) for line in self.requests if line.startswith("GET")]
         return sum(int(match[2]) - int(match[1]) + 1 for match in ranges if match)
 
+    def etag(self, path: Path) -> tuple[str, int]:
+        """``path``'s ETag (from its bytes, hashed once per version of the file: a replaced or rewritten file gets a
+        new one) and its size."""
+        status = path.stat()
+        version = (status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+        with self._pace:
+            etag = self._etags.get(version)
+        if etag is None:
+            digest = hashlib.sha256()
+            with open(path, "rb") as file:
+                while chunk := file.read(8 << 20):
+                    digest.update(chunk)
+            etag = '"' + digest.hexdigest()[:16] + '"'
+            with self._pace:
+                self._etags[version] = etag
+        return etag, status.st_size
+
     def pace(self, nbytes: int, rate: float) -> None:
         """Wait for ``nbytes`` of the server's shared sending budget at ``rate`` bytes per second."""
         with self._pace:
@@ -179,6 +196,13 @@ class RangeServer(LoopbackServer):
             start = max(now, self._next_send)
             self._next_send = start + nbytes / rate
         time.sleep(max(0.0, start - now))
+
+
+def read_range(path: Path, offset: int, nbytes: int) -> bytes:
+    """At most ``nbytes`` of ``path`` from ``offset``."""
+    with open(path, "rb") as file:
+        file.seek(offset)
+        return file.read(nbytes)
 
 
 def replace_file(path: Path, data: bytes) -> None:
