@@ -20,6 +20,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -118,6 +119,7 @@ def peer_link_seconds(hosts: Hosts, path: Path) -> float:
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: daemons, namespaces and etcd still go
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=parse_size, default=256 << 20)
     parser.add_argument("--origin-mbps", type=float, default=100.0)

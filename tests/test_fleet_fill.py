@@ -130,7 +130,8 @@ def test_an_origin_that_changes_mid_storm_ends_every_nodes_fill(etcd: str, origi
     server, url, data = origin
     server.misbehave.rate_bytes_per_s = 10e6  # the first pieces take seconds: the change lands while they move
     replacement = os.urandom(len(data))
-    nodes = [Node(etcd, "/changed", f"node-{n}", url, tmp_path / f"node-{n}") for n in range(3)]
+    small = ("--piece-bytes", str(2 * MIB))  # 24 pieces: most are asked for after the change (6 move at once)
+    nodes = [Node(etcd, "/changed", f"node-{n}", url, tmp_path / f"node-{n}", *small) for n in range(3)]
     deadline = time.monotonic() + 30
     while not any(request.startswith("GET") for request in server.requests) and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -44,8 +44,13 @@ enough that a few nodes filling a 1 GiB file share 16 pieces and a late piece wa
 STALL_S = 30.0
 """A piece claimed by a node that has not finished it in this long is read from the origin by whoever waits."""
 POLL_S = 0.05
+CHECK_FAILED_S = 0.5
+"""While every missing piece is moving, how often the fill looks whether another node found the origin changed."""
 FETCH_THREADS = 4
 """Pieces fetched from peers at once: the agent moves one at a time, the others are checked meanwhile."""
+ORIGIN_PIECES = 2
+"""Pieces one node reads from the origin at once: one is hashed while the next moves, and in a storm the claims
+spread over the nodes (a node claims its next piece only as one of its reads ends)."""
 
 ReadOrigin = Callable[[int, int, int], None]
 """``read_origin(offset, nbytes, address)``: the origin's bytes ``offset..offset+nbytes`` into memory at ``address``
@@ -170,7 +175,8 @@ class FleetFill:
 
 class _EntryFill:
     """One fill of ``entry`` into memory at ``address``: which pieces are still missing, and where each comes from.
-    Pieces held by peers are fetched ``FETCH_THREADS`` at a time (one moves while another is checked)."""
+    Pieces held by peers are fetched ``FETCH_THREADS`` at a time (one moves while another is checked), pieces this
+    node claims read from the origin ``ORIGIN_PIECES`` at a time, both at once."""
 
     def __init__(self, fleet: FleetFill, entry: str, address: int, size: int, read_origin: ReadOrigin) -> None:
         self.fleet, self.entry, self.address, self.size, self.read_origin = fleet, entry, address, size, read_origin
@@ -183,23 +189,40 @@ class _EntryFill:
 
     def run(self) -> FillStats:
         pending = set(range(-(-self.size // self.fleet.piece_bytes)))
-        with concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="weightstream-fleet") as pool:
-            while pending:
-                self._check_failed()
-                records, holders = self.claims.pieces(self.entry), self._complete_holders()
-                digests = self._digests() if holders else {}
-                fetches = {}
-                for piece in sorted(pending):
-                    peer = self._peer_for(piece, records.get(piece), holders, digests)
-                    if peer is not None:
-                        fetches[piece] = pool.submit(self._fetch, piece, *peer)
-                    elif self._from_origin(piece, records.get(piece)):
+        moving: dict[int, concurrent.futures.Future[None]] = {}
+        from_origin: set[int] = set()
+        peers = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="weightstream-fleet")
+        origin = concurrent.futures.ThreadPoolExecutor(ORIGIN_PIECES, thread_name_prefix="weightstream-fleet-claimed")
+        with peers, origin:
+            try:
+                while pending:
+                    self._check_failed()
+                    if waiting := pending - moving.keys():
+                        records, holders = self.claims.pieces(self.entry), self._complete_holders()
+                        digests = self._digests() if holders else {}
+                    for piece in sorted(waiting):
+                        peer = self._peer_for(piece, records.get(piece), holders, digests)
+                        if peer is not None:
+                            moving[piece] = peers.submit(self._fetch, piece, *peer)
+                        elif len(from_origin) < ORIGIN_PIECES and (why := self._origin_turn(piece, records.get(piece))):
+                            moving[piece] = origin.submit(self._read_from_origin, piece, why)
+                            from_origin.add(piece)
+                    if not moving:
+                        time.sleep(POLL_S)
+                        continue
+                    # Pieces waiting on others: look again soon; all moving: wake when one lands (or to check failed).
+                    done, _ = concurrent.futures.wait(
+                        moving.values(),
+                        timeout=POLL_S if pending - moving.keys() else CHECK_FAILED_S,
+                        return_when=concurrent.futures.FIRST_COMPLETED,
+                    )
+                    for piece in [piece for piece, future in moving.items() if future in done]:
+                        moving.pop(piece).result()
                         pending.discard(piece)
-                for piece, fetch in fetches.items():
-                    fetch.result()
-                    pending.discard(piece)
-                if pending and not fetches:
-                    time.sleep(POLL_S)
+                        from_origin.discard(piece)
+            finally:
+                for future in moving.values():
+                    future.cancel()
         self._check_failed()  # a node that found the origin changed while this one finished: nothing is published
         return self.stats
 
@@ -218,28 +241,33 @@ class _EntryFill:
             return str(record["node"]), str(record["sha256"])
         return None
 
-    def _from_origin(self, piece: int, record: dict[str, object] | None) -> bool:
-        """Read ``piece`` from the origin if this node claims it (or its claimer stalled); whether it is local now."""
-        offset, nbytes = self._span(piece)
+    def _origin_turn(self, piece: int, record: dict[str, object] | None) -> str | None:
+        """Why this node reads ``piece`` from the origin now: ``"claimed"`` (it won the claim, or holds it), or
+        ``"stalled"`` (its claimer has not finished it in ``stall_s``); None: not this node's to read (yet)."""
         if record is None:
             won, record = self.claims.claim(self.entry, piece)
             if not won:
-                return False
+                return None
         if record.get("node") == self.fleet.node:
-            self.read_origin(offset, nbytes, self.address + offset)
-            sha256 = hashlib.sha256(memory_at(self.address + offset, nbytes)).hexdigest()
-            self.fleet.etcd.put(self.fleet.key("digests", self.entry, str(piece)), sha256.encode())
-            self.claims.done(self.entry, piece, sha256)
-            self._count(bytes_from_origin=nbytes)
-            return True
+            return "claimed"
         started = self._waiting_since.setdefault(piece, time.monotonic())
         if time.monotonic() - started < self.fleet.stall_s:
-            return False
+            return None
         log.warning("%s piece %d: claimed by %s for %.0f s and not done: reading it from the origin", self.entry,
                     piece, record.get("node"), self.fleet.stall_s)  # fmt: skip
+        return "stalled"
+
+    def _read_from_origin(self, piece: int, why: str) -> None:
+        """Read ``piece`` from the origin; a claimed piece's digest is published for the others to check it by."""
+        offset, nbytes = self._span(piece)
         self.read_origin(offset, nbytes, self.address + offset)
-        self._count(pieces_refetched=1, bytes_refetched=nbytes)
-        return True
+        if why == "stalled":
+            self._count(pieces_refetched=1, bytes_refetched=nbytes)
+            return
+        sha256 = hashlib.sha256(memory_at(self.address + offset, nbytes)).hexdigest()
+        self.fleet.etcd.put(self.fleet.key("digests", self.entry, str(piece)), sha256.encode())
+        self.claims.done(self.entry, piece, sha256)
+        self._count(bytes_from_origin=nbytes)
 
     def _fetch(self, piece: int, peer: str, sha256: str) -> None:
         """``piece`` from ``peer``, checked against ``sha256``; from the origin where the peer fails."""
