@@ -4,6 +4,7 @@ of nodes; a node that comes later fetches everything from peers.
 
 Keys (under the fleet's prefix; the entry key already holds the origin's version, so versions never mix):
 
+- ``plan/{entry}``: the entry's piece size, set by the first node to fill it (no lease: the digests depend on it);
 - ``pieces/{entry}/{piece}``: the claim (``claims.py``), under the claimer's lease;
 - ``digests/{entry}/{piece}``: the piece's sha256, written by the node that read it from the origin (no lease: it
   outlives that node, for every later fetch to be checked);
@@ -22,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -39,8 +41,12 @@ from weightstream.sources.local.raw_mapping import map_file, unmap
 log = logger(__name__)
 
 PIECE_BYTES = 64 << 20
-"""A piece: large enough that its three etcd round trips (claim, digest, done) cost nothing beside moving it, small
-enough that a few nodes filling a 1 GiB file share 16 pieces and a late piece waits for little."""
+"""The largest piece: its three etcd writes (claim, digest, done) cost nothing beside moving it, and a 140 GB model is
+about 2,000 pieces, which every filling node's poll of the claims reads in one range request."""
+MIN_PIECE_BYTES = 8 << 20
+PIECES_PER_FILE = 16
+"""Files under 1 GiB are cut into about this many pieces (at least ``MIN_PIECE_BYTES`` each): peers fetch the first
+pieces while the origin still serves the last, where 64 MiB pieces of a 256 MiB file all finished together."""
 STALL_S = 30.0
 """A piece claimed by a node that has not finished it in this long is read from the origin by whoever waits."""
 POLL_S = 0.05
@@ -72,6 +78,17 @@ class FillStats:
     peer_failures: int = 0
 
 
+def piece_size(size: int) -> int:
+    """The piece size a node proposes for a file of ``size`` bytes (a multiple of 1 MiB).
+
+    Example:
+        >>> [piece_size(n) >> 20 for n in (10 << 20, 256 << 20, 4 << 30)]
+        [8, 16, 64]
+    """
+    wanted = -(-size // PIECES_PER_FILE)
+    return min(PIECE_BYTES, max(MIN_PIECE_BYTES, -(-wanted >> 20) << 20))
+
+
 class FleetFill:
     """Fills entries with the fleet this node is a member of (``membership``), reading pieces from peers with
     ``fetcher`` and offering its own with ``server``."""
@@ -81,13 +98,14 @@ class FleetFill:
         membership: Membership,
         fetcher: PieceFetcher,
         server: PieceServer,
-        piece_bytes: int = PIECE_BYTES,
+        piece_bytes: int | None = None,
         stall_s: float = STALL_S,
     ) -> None:
         self.membership, self.fetcher, self.server = membership, fetcher, server
         self.etcd, self.node = membership.etcd, membership.node
         self.prefix = membership.nodes_prefix.removesuffix("nodes/")
         self.piece_bytes, self.stall_s = piece_bytes, stall_s
+        """The piece size this node proposes for a new entry (None: :func:`piece_size`); the first proposal wins."""
         self._offered: dict[str, bytes] = {}
         """Each entry this node holds whole, and where peers read it (put again under a new lease)."""
         self._read_from: dict[tuple[str, str], int] = {}
@@ -114,12 +132,12 @@ class FleetFill:
             self._offered[entry] = json.dumps(where).encode()
             self.etcd.put(self.key("complete", entry, self.node), self._offered[entry], self.membership.lease)
             return stats
-        except SourceChangedError as error:
-            self.etcd.put(self.key("failed", entry), str(error).encode())
+        except BaseException as error:
             self.server.withdraw(entry)
-            raise
-        except BaseException:
-            self.server.withdraw(entry)
+            with contextlib.suppress(FleetUnavailableError):  # etcd gone: the keys go with this node's lease
+                if isinstance(error, SourceChangedError):
+                    self.etcd.put(self.key("failed", entry), str(error).encode())
+                self.etcd.delete(self.key("segments", entry, self.node))
             raise
         finally:
             unmap(address, size)
@@ -168,6 +186,19 @@ class FleetFill:
                 self.etcd.put(self.key("segments", entry, self.node), where, lease)
                 self.etcd.put(self.key("complete", entry, self.node), where, lease)
 
+    def plan(self, entry: str, size: int) -> int:
+        """The piece size of ``entry`` (``size`` bytes): the one the first node to fill it chose.
+
+        Raises:
+            FleetUnavailableError: etcd does not answer, or holds a piece size that is not one (the caller fills
+                from the origin alone).
+        """
+        proposed = self.piece_bytes or piece_size(size)
+        _, agreed = self.etcd.create(self.key("plan", entry), str(proposed).encode())
+        if not agreed.isdigit() or not MIN_PIECE_BYTES // 8 <= int(agreed) <= 1 << 30:
+            raise FleetUnavailableError(f"the fleet's plan for {entry} says pieces of {agreed[:40]!r} bytes")
+        return int(agreed)
+
     def key(self, kind: str, entry: str, name: str = "") -> str:
         """The fleet's key of ``kind`` for ``entry`` (and ``name``: a node, a piece)."""
         return f"{self.prefix}{kind}/{entry}" + (f"/{name}" if name else "")
@@ -180,6 +211,7 @@ class _EntryFill:
 
     def __init__(self, fleet: FleetFill, entry: str, address: int, size: int, read_origin: ReadOrigin) -> None:
         self.fleet, self.entry, self.address, self.size, self.read_origin = fleet, entry, address, size, read_origin
+        self.piece_bytes = fleet.plan(entry, size)
         self.claims = Claims(fleet.etcd, fleet.prefix, fleet.node, fleet.membership.lease)
         self.stats = FillStats()
         self.read_from: dict[str, tuple[int, int]] = {}
@@ -188,7 +220,7 @@ class _EntryFill:
         self._waiting_since: dict[int, float] = {}
 
     def run(self) -> FillStats:
-        pending = set(range(-(-self.size // self.fleet.piece_bytes)))
+        pending = set(range(-(-self.size // self.piece_bytes)))
         moving: dict[int, concurrent.futures.Future[None]] = {}
         from_origin: set[int] = set()
         peers = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="weightstream-fleet")
@@ -227,8 +259,8 @@ class _EntryFill:
         return self.stats
 
     def _span(self, piece: int) -> tuple[int, int]:
-        offset = piece * self.fleet.piece_bytes
-        return offset, min(self.fleet.piece_bytes, self.size - offset)
+        offset = piece * self.piece_bytes
+        return offset, min(self.piece_bytes, self.size - offset)
 
     def _peer_for(
         self, piece: int, record: dict[str, object] | None, holders: list[str], digests: dict[int, str]
