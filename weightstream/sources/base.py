@@ -49,8 +49,9 @@ class CheckedWhole(Protocol):
     """A source whose integrity check covers more than its own bytes (an OCI blob holding it with other files) and
     can be completed on demand: the node cache calls :meth:`verify_whole` before it publishes the file."""
 
-    def verify_whole(self) -> None:
-        """Check everything the source's integrity depends on, reading what was not read.
+    def verify_whole(self, held: memoryview | None = None) -> None:
+        """Check everything the source's integrity depends on, reading what was not read; ``held``: the source's
+        bytes as the caller holds them, some not read through the source (from a fleet's peers): checked too.
 
         Raises:
             IntegrityError: it does not match.

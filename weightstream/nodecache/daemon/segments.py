@@ -29,7 +29,15 @@ import urllib.parse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from weightstream.errors import CacheConfigError, CacheError, CacheUnavailableError, FormatError, logger, redact
+from weightstream.errors import (
+    CacheConfigError,
+    CacheError,
+    CacheUnavailableError,
+    FormatError,
+    IntegrityError,
+    logger,
+    redact,
+)
 from weightstream.formats.strict_json import parse_json
 from weightstream.nodecache.daemon.directory import MARKER, is_cache_file
 from weightstream.nodecache.daemon.limits import MEMORY_RESERVE_BYTES, cgroup_room, mem_available, tmpfs_huge_pages
@@ -204,20 +212,22 @@ class SegmentStore:
         started = time.perf_counter()
         temporary = os.path.join(self.directory, f"tmp-{key}-{os.getpid()}-{time.monotonic_ns()}")
         fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        from_fleet = False
         try:
             try:
                 # A remote file with a fleet: its pieces from the fleet (False: etcd went away, the origin alone).
                 remote = fleet is not None and source.uri.startswith(REMOTE_SCHEMES)
                 from_fleet = bool(source.size) and remote and fleet.fill(key, source, fd, threads, cancel)  # type: ignore[union-attr]
                 if source.size and not from_fleet:
-                    # Direct reads fill whole blocks: the file is padded while it fills, then cut to its size.
-                    padded = -(-source.size // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT if source.direct else source.size
-                    os.ftruncate(fd, padded)
-                    _read_whole(source, fd, padded, threads, self.advise_huge_pages, cancel)
-                    os.ftruncate(fd, source.size)
-                source.verify_unchanged()
-                if isinstance(source, CheckedWhole):
-                    source.verify_whole()  # only bytes of a blob checked whole are ever published
+                    self._read_origin(source, fd, threads, cancel)
+                if not isinstance(source, CheckedWhole):
+                    source.verify_unchanged()
+                elif from_fleet and not _held_bytes_check(source, fd):  # only blobs checked whole are published
+                    fleet.refetched(key, source.size)  # type: ignore[union-attr]
+                    self._read_origin(source, fd, threads, cancel)
+                    source.verify_whole()
+                elif not from_fleet:
+                    source.verify_whole()
                 head = head_digest(os.pread(fd, min(source.size, HEAD_BYTES), 0)) if source.size else head_digest(b"")
                 os.fchmod(fd, 0o444)
             finally:
@@ -226,12 +236,22 @@ class SegmentStore:
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
+            if from_fleet:
+                fleet.evicted(key)  # type: ignore[union-attr]  # peers no longer read a file that is not kept
             raise
         segment = Segment(
             key, redact(source.uri), source.size, source.version, head, time.perf_counter() - started, time.time()
         )
         self._write_manifest(segment)
         return segment
+
+    def _read_origin(self, source: Source, fd: int, threads: int, cancel: threading.Event | None) -> None:
+        """Read all of ``source`` from its origin into the file ``fd``."""
+        # Direct reads fill whole blocks: the file is padded while it fills, then cut to its size.
+        padded = -(-source.size // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT if source.direct else source.size
+        os.ftruncate(fd, padded)
+        _read_whole(source, fd, padded, threads, self.advise_huge_pages, cancel)
+        os.ftruncate(fd, source.size)
 
     def publish(self, segment: Segment) -> None:
         """Make a filled segment servable."""
@@ -323,6 +343,23 @@ class SegmentStore:
             return None
         segment.last_used = os.stat(path).st_mtime
         return segment
+
+
+def _held_bytes_check(source: CheckedWhole, fd: int) -> bool:
+    """Whether the file ``fd``, filled by a fleet, passes ``source``'s whole check (against the origin's digest);
+    False, logged, where it does not: a peer served bytes that matched the digest a fleet member published for them,
+    not the origin's."""
+    size = os.fstat(fd).st_size
+    with contextlib.closing(mmap.mmap(fd, size, prot=mmap.PROT_READ)) as mapping:
+        held = memoryview(mapping)
+        try:
+            source.verify_whole(held)
+            return True
+        except IntegrityError as error:
+            log.warning("%s: reading the whole file from the origin again", error)
+            return False
+        finally:
+            held.release()
 
 
 def _read_whole(

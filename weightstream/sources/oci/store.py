@@ -325,6 +325,11 @@ class OciSource:
         after a 401 or 403 (a new token, or a new redirect), then hashed."""
         if not len(buffer):
             return
+        self._fetch_blob(at, buffer)
+        self.store.hash_of(self.file, self.uri).feed(at, buffer)
+
+    def _fetch_blob(self, at: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` from byte ``at`` of the blob (not hashed)."""
         span = f"{self.uri}: range {at - self.file.offset}..{at - self.file.offset + len(buffer)}"
         received = [0]
 
@@ -337,7 +342,6 @@ class OciSource:
         except AccessDeniedError as denied:
             self.store.refresh(self, denied)
             self.store.policy.run(span, attempt)
-        self.store.hash_of(self.file, self.uri).feed(at, buffer)
 
     def verify_unchanged(self) -> None:
         """Check the blob against its digest once all of it is hashed, reading small gaps the load skipped.
@@ -350,14 +354,22 @@ class OciSource:
         for at, nbytes in state.gaps(GAP_FILL_BYTES):
             self.blob_into(at, memoryview(bytearray(nbytes)))
 
-    def verify_whole(self) -> None:
+    def verify_whole(self, held: memoryview | None = None) -> None:
         """Check the whole blob that holds this file against its digest, reading whatever of it was not read (the
         other files of a tar layer, its headers), however much that is: what the node cache does before it
         publishes a file, so that it never serves bytes of a blob it has not checked.
 
+        ``held``: this file's bytes as the caller holds them, some of them not read through this source (a node
+        cache's segment filled by its fleet's peers). Unless the blob was checked whole already, it is hashed
+        again from ``held`` (and from the origin for the rest of a tar layer); a mismatch then says so without
+        marking the blob corrupt in the registry (those bytes did not come from it).
+
         Raises:
             IntegrityError: the blob does not hash to its digest.
         """
+        if held is not None and not self.store.hash_of(self.file, self.uri).checked:
+            self._check_held(held)
+            return
         state = self.store.hash_of(self.file, self.uri)
         state.raise_if_failed()
         if state.abandoned:  # pieces came too far out of order to hash in line: hash it again, in order
@@ -368,6 +380,31 @@ class OciSource:
         state.raise_if_failed()
         if not state.checked:
             raise IntegrityError(f"{self.uri}: blob {self.file.digest} could not be checked against its digest")
+
+    def _check_held(self, held: memoryview) -> None:
+        """Hash the blob in order from ``held`` (this file's bytes) and the origin (the rest of its blob)."""
+        if len(held) != self.size:
+            raise ValueError(f"{self.uri}: {len(held)} bytes held, not its {self.size}")
+        digest = hashlib.sha256()
+        start, end = self.file.offset, self.file.offset + self.size
+        for at in range(0, self.file.blob_size, WHOLE_CHECK_CHUNK_BYTES):
+            stop = min(at + WHOLE_CHECK_CHUNK_BYTES, self.file.blob_size)
+            for low, high, mine in ((at, min(stop, start), False), (max(at, start), min(stop, end), True),
+                                    (max(at, end), stop, False)):  # fmt: skip
+                if low >= high:
+                    continue
+                if mine:
+                    digest.update(held[low - start : high - start])
+                else:
+                    outside = memoryview(bytearray(high - low))
+                    self._fetch_blob(low, outside)
+                    digest.update(outside)
+        actual = "sha256:" + digest.hexdigest()
+        if actual != self.file.digest:
+            raise IntegrityError(
+                f"{self.uri}: blob {self.file.digest}: the bytes held for it hash to {actual} (some came from peers "
+                "of the node cache's fleet: not the registry's)"
+            )
 
     def close(self) -> None:
         """Nothing to release: connections belong to the store."""

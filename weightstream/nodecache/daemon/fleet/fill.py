@@ -76,6 +76,9 @@ class FillStats:
     from the origin again."""
     bytes_refetched: int = 0
     peer_failures: int = 0
+    entries_refetched: int = 0
+    """Fills whose pieces all passed their checks and the whole then failed the origin's own digest (an OCI blob's):
+    read whole from the origin again."""
 
 
 def piece_size(size: int) -> int:

@@ -148,6 +148,15 @@ class FleetNode:
                 counts[name] += value
         return True
 
+    def refetched(self, key: str, nbytes: int) -> None:
+        """Count entry ``key``, filled by the fleet and found not to match the origin's digest, read again from the
+        origin (``nbytes``)."""
+        with self._lock:
+            counts = self.entries.setdefault(key, dataclasses.asdict(FillStats()))
+            for counted in (self.counters, counts):
+                counted["entries_refetched"] += 1
+                counted["bytes_refetched"] += nbytes
+
     def offer(self, segments: Iterable[Segment], path_of: Callable[[str], str]) -> int:
         """Offer the fleet the remote files this node already holds (its segments adopted at start); how many."""
         offered = 0
