@@ -71,6 +71,12 @@ def fleet_of(tmp_path: Path, prefix: str) -> Iterator[Fleet]:
             remove(*place)
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time process ``pid`` has used (user and system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Path):
     state, size = origin_file(tmp_path, 1024, 12)
     daemons: list[Daemon] = []
@@ -112,6 +118,10 @@ def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Pa
             nodes = json.loads(listed.stdout)["nodes"]
             assert sorted(nodes) == [f"node-{n}" for n in range(4)]
             assert all(len(held["complete"]) == 1 and held["filling"] == [] for held in nodes.values()), nodes
+            idle = cpu_seconds(daemons[0].process.pid)
+            time.sleep(3)
+            spent = (cpu_seconds(daemons[0].process.pid) - idle) / 3
+            assert spent < 0.2, f"an idle fleet daemon kept {spent:.0%} of a CPU busy (a spinning progress thread?)"
         finally:
             for daemon in daemons:
                 daemon.stop()

@@ -36,6 +36,11 @@ INSTALL_HINT = "pip install 'weightstream[fleet]' (NIXL: nixl-cu12, or nixl-cu13
 PIECE_TIMEOUT_S = 30.0
 """A piece a peer has not delivered in this long is given up (and claimed again elsewhere): no fill waits forever."""
 POLL_S = 0.0005
+PROGRESS_WAIT_US = 5000
+"""How long NIXL's UCX progress thread waits for its workers' events before it looks anyway. ``nixl_agent`` sets 0,
+and the thread then spins: measured here (nixl-cu12 1.5.1), an idle agent kept 100% of a CPU busy, a fleet daemon
+(two agents) 198%; with 1 ms 2%, and a 256 MiB read ran as fast (0.9-1.07 GB/s over loopback TCP either way)."""
+_CONFIG_LOCK = threading.Lock()
 
 
 def nixl() -> ModuleType:
@@ -65,8 +70,24 @@ def _quiet(nixl_logger: logging.Logger) -> None:
 
 
 def _agent(name: str) -> object:
+    """A NIXL agent on UCX whose progress thread sleeps between events (see :data:`PROGRESS_WAIT_US`)."""
     api = nixl()
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    bindings = getattr(api, "nixlBind", None)
+    original = getattr(bindings, "nixlAgentConfig", None)
+    if original is None or not hasattr(original(), "pthrDelay"):
+        log.warning("NIXL %s: its progress thread's wait cannot be set: it may keep a CPU busy", api.__name__)
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+
+    class Config(original):  # type: ignore[misc, valid-type]
+        def __setattr__(self, field: str, value: object) -> None:
+            super().__setattr__(field, PROGRESS_WAIT_US if field == "pthrDelay" else value)
+
+    with _CONFIG_LOCK:
+        bindings.nixlAgentConfig = Config
+        try:
+            return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        finally:
+            bindings.nixlAgentConfig = original
 
 
 class PieceServer:
