@@ -18,6 +18,7 @@ pytest.importorskip("nixl_cu12", reason="the fleet's data plane needs NIXL (pip 
 
 from tests.etcd_server import etcd_server
 from tests.rangeserver import RangeServer, replace_file
+from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -144,3 +145,7 @@ def test_an_origin_that_changes_mid_storm_ends_every_nodes_fill(etcd: str, origi
         node.process.stderr.close()  # type: ignore[union-attr]
         assert code != 0, "a node finished a fill of a changed origin"
         assert "SourceChangedError" in said, said[-2000:]
+    gateway = EtcdGateway([etcd])
+    reports = [gateway.get_held(key) for key in gateway.get_prefix("/changed/failed/")]
+    assert reports, "no node reported the change"
+    assert all(held is not None and held[1] != 0 for held in reports), "a report of a change that never expires"

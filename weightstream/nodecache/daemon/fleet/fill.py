@@ -10,7 +10,9 @@ Keys (under the fleet's prefix; the entry key already holds the origin's version
   outlives that node, for every later fetch to be checked);
 - ``segments/{entry}/{node}``: where ``node``'s copy of the entry is, for peers to read (under its lease);
 - ``complete/{entry}/{node}``: ``node`` holds every piece (under its lease): a late joiner's source;
-- ``failed/{entry}``: the origin changed (or failed for good) under a node: every node's fill ends with that error;
+- ``failed/{entry}``: the origin changed (or failed for good) under a node: every node's fill ends with that error
+  (under a lease of its own, ``FAILED_TTL_S``: fills under way see it, a later one tries again, and finds the change
+  itself where there was one);
 - ``served/{node}/{entry}/{fetcher}``: the bytes of ``entry`` that ``fetcher`` has read from ``node`` (NIXL reads are
   one-sided: the node that serves them never sees them, so its readers count them), under ``node``'s lease.
 
@@ -50,6 +52,9 @@ pieces while the origin still serves the last, where 64 MiB pieces of a 256 MiB 
 STALL_S = 30.0
 """A piece claimed by a node that has not finished it in this long is read from the origin by whoever waits."""
 POLL_S = 0.05
+FAILED_TTL_S = 60
+"""How long a node's report that the origin changed ends other nodes' fills of the entry: a report without end would
+keep a version that never changed (a wrong digest, a glitch) out of the fleet until someone deleted the key."""
 CHECK_FAILED_S = 0.5
 """While every missing piece is moving, how often the fill looks whether another node found the origin changed."""
 FETCH_THREADS = 4
@@ -139,7 +144,7 @@ class FleetFill:
             self.server.withdraw(entry)
             with contextlib.suppress(FleetUnavailableError):  # etcd gone: the keys go with this node's lease
                 if isinstance(error, SourceChangedError):
-                    self.etcd.put(self.key("failed", entry), str(error).encode())
+                    self.etcd.put(self.key("failed", entry), str(error).encode(), self.etcd.grant(FAILED_TTL_S))
                 self.etcd.delete(self.key("segments", entry, self.node))
             raise
         finally:
