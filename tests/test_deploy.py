@@ -57,3 +57,22 @@ def test_the_daemonsets_command_is_one_the_cli_accepts():
     probe = _parser().parse_args(container["readinessProbe"]["exec"]["command"][1:])
     assert probe.cache_command == "stats"
     assert manifest["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_the_fleets_daemonset_joins_a_fleet_and_its_policy_admits_only_its_peers():
+    import yaml
+
+    daemonset, policy = yaml.safe_load_all((DEPLOY / "weightstream-cache-fleet.yaml").read_text())
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    args = _parser().parse_args(container["args"])
+    assert (args.fleet, args.fleet_node) == (["etcd://etcd.weightstream:2379/models"], "$(NODE_NAME)")
+    environment = {item["name"]: item for item in container["env"]}
+    assert environment["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert environment["UCX_NET_DEVICES"]["value"] == "eth0"
+    plain = yaml.safe_load((DEPLOY / "weightstream-cache-daemonset.yaml").read_text())
+    (alone,) = plain["spec"]["template"]["spec"]["containers"]
+    assert container["args"][: len(alone["args"])] == alone["args"], "the fleet's daemon differs beyond --fleet"
+    assert policy["kind"] == "NetworkPolicy"
+    assert policy["spec"]["podSelector"] == {"matchLabels": daemonset["spec"]["selector"]["matchLabels"]}
+    (ingress,) = policy["spec"]["ingress"]
+    assert ingress["from"] == [{"podSelector": {"matchLabels": daemonset["spec"]["selector"]["matchLabels"]}}]
