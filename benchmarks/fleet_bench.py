@@ -207,8 +207,9 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    counts = sorted(results["nodes"], key=int)
-    rows = [results["nodes"][count] for count in counts]
+    by_count = {int(count): row for count, row in results["nodes"].items()}  # str keys once read back from JSON
+    counts = sorted(by_count)
+    rows = [by_count[count] for count in counts]
     figure, (origin_axis, time_axis) = plt.subplots(1, 2, figsize=(10, 4))
     for label, key in (("fleet", "fleet"), ("independent fills", "alone")):
         origin_axis.plot(counts, [row[f"{key}_origin"] for row in rows], marker="o", label=label)
@@ -218,7 +219,10 @@ def plot(results: dict, path: str) -> None:
     for axis in (origin_axis, time_axis):
         axis.set_ylim(bottom=0)
         axis.legend()
-    figure.suptitle(f"{results['size'] / 2**20:.0f} MiB from an origin capped at {results['origin_mbps']:.0f} MB/s")
+    links = f", nodes on {results['link_mbps']:.0f} MB/s links" if results.get("link_mbps") else " (loopback)"
+    figure.suptitle(
+        f"{results['size'] / 2**20:.0f} MiB from an origin capped at {results['origin_mbps']:.0f} MB/s{links}"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
