@@ -22,7 +22,7 @@ pytest.importorskip("nixl_cu12", reason="the fleet's data plane needs NIXL (pip 
 from safetensors.torch import save_file
 
 import weightstream
-from tests.cache_daemon import Daemon, remove, stats
+from tests.cache_daemon import Daemon, remove, request, stats
 from tests.cache_daemon import places as cache_places
 from tests.conftest import assert_same
 from tests.etcd_server import etcd_server
@@ -261,6 +261,53 @@ def test_an_s3_origin_is_read_once_by_two_daemons(s3_endpoint, tmp_path: Path):
                 fleets = [stats(daemon.socket)["fleet"] for daemon in (first, second)]
             assert sum(f["bytes_from_origin"] for f in fleets) == size, fleets
             assert sum(f["bytes_from_peers"] for f in fleets) == size, fleets
+    finally:
+        for place in places:
+            remove(*place)
+
+
+def test_an_s3_checksum_catches_a_peer_lying_about_a_piece(s3_endpoint, tmp_path: Path):
+    """An object uploaded with a SHA-256 checksum: a member of the fleet changes a piece of its copy and publishes that
+    piece's digest, the piece passes it, the object's own checksum does not, and the file is read from S3 again."""
+    import hashlib
+
+    from tests.objstore import s3_client
+    from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
+
+    state = llama_state_dict(LlamaShape(hidden=512, intermediate=1408, layers=2, vocab=2000), seed=18)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    client = s3_client()
+    try:
+        client.put_object(Bucket="bench", Key="fleet/checked.safetensors", Body=data, ChecksumAlgorithm="SHA256")
+    finally:
+        client.close()
+    uri = "s3://bench/fleet/checked.safetensors"
+    places = [cache_places("fleets3liar"), cache_places("fleets3honest")]
+    try:
+        with etcd_server(tmp_path) as etcd:
+            fleet = etcd.replace("http://", "etcd://") + "/s3checked"
+            with Daemon(*places[0], "--fleet", fleet, "--fleet-node", "liar") as liar:
+                assert_same(weightstream.load_weights(uri, cache=str(liar.socket)), state)
+                (entry,) = [item["key"] for item in request(liar.socket, {"op": "ls"})["entries"]]
+                gateway = EtcdGateway([etcd])
+                piece_bytes = int(gateway.get(f"/s3checked/plan/{entry}"))  # type: ignore[arg-type]
+                segment = liar.directory / f"{entry}.seg"
+                segment.chmod(0o644)  # root, as a member of the fleet that changes what it serves
+                with open(segment, "r+b") as held:
+                    held.seek(len(data) // 2)
+                    held.write(b"\x5a" * 16)
+                    piece = len(data) // 2 // piece_bytes
+                    held.seek(piece * piece_bytes)
+                    gateway.put(
+                        f"/s3checked/digests/{entry}/{piece}",
+                        hashlib.sha256(held.read(piece_bytes)).hexdigest().encode(),
+                    )
+                with Daemon(*places[1], "--fleet", fleet, "--fleet-node", "honest") as honest:
+                    assert_same(weightstream.load_weights(uri, cache=str(honest.socket)), state)
+                    counts = stats(honest.socket)["fleet"]["entries"][entry]
+                    assert (counts["entries_refetched"], counts["bytes_from_peers"]) == (1, len(data)), counts
+                    assert "not the origin's checksum" in honest.log(), honest.log()[-2000:]
     finally:
         for place in places:
             remove(*place)

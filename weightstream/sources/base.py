@@ -58,6 +58,15 @@ class CheckedWhole(Protocol):
         """
 
 
+@runtime_checkable
+class KnownDigest(Protocol):
+    """A source whose origin states the sha256 of its whole content (an S3 object uploaded with a SHA-256 checksum):
+    the node cache checks a file its fleet filled against it."""
+
+    whole_sha256: str | None
+    """Hex sha256 of the object's bytes, or None where the origin gave none (or only a per-part one)."""
+
+
 class Store(Protocol):
     """Lists and opens objects under one kind of URI."""
 

@@ -13,6 +13,7 @@ Endpoint, region and credentials come from botocore's standard chain (``AWS_ENDP
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from collections.abc import Mapping
@@ -139,11 +140,11 @@ class S3Store(RemoteStore):
         if listed is not None and listed["type"] == "directory":
             raise NotFound(f"{uri}: is a prefix, not an object")
         if listed is None or not listed.get("etag"):
-            answer = self._head(uri)
-            listed = {"size": answer["ContentLength"], "etag": answer.get("ETag")}
+            answer = self._head(uri, ChecksumMode="ENABLED")
+            listed = {"size": answer["ContentLength"], "etag": answer.get("ETag"), "sha256": whole_sha256(answer)}
         if not listed["etag"]:
             raise SourceError(f"{uri}: the store gave no ETag, so reads cannot be pinned to one version")
-        return RangeSource(self, uri, int(listed["size"]), str(listed["etag"]))
+        return RangeSource(self, uri, int(listed["size"]), str(listed["etag"]), listed.get("sha256"))
 
     def range_target(self, source: RangeSource) -> RangeTarget:
         """A presigned GET URL of the object, ``If-Match: <ETag>``, and answers that must carry that ETag."""
@@ -154,9 +155,9 @@ class S3Store(RemoteStore):
         super().close()
         self.client.close()
 
-    def _head(self, uri: str) -> dict[str, Any]:
+    def _head(self, uri: str, **options: str) -> dict[str, Any]:
         bucket, key = _bucket_and_key(uri)
-        return self._call(uri, self.client.head_object, Bucket=bucket, Key=key)
+        return self._call(uri, self.client.head_object, Bucket=bucket, Key=key, **options)
 
     def _presigned_url(self, uri: str) -> str:
         with self._presigning:
@@ -240,6 +241,22 @@ def _client(options: dict[str, Any], policy: RetryPolicy) -> Any:
     return session.create_client(
         "s3", region_name=region, config=botocore.config.Config(**config_kwargs), **client_kwargs
     )
+
+
+def whole_sha256(head: dict[str, Any]) -> str | None:
+    """The hex sha256 of a whole object from a HEAD's ``ChecksumSHA256`` (asked with ``ChecksumMode=ENABLED``); None
+    where there is none, or where it is a multipart upload's checksum of its parts' checksums (``...-N``).
+
+    Example:
+        >>> whole_sha256({"ChecksumSHA256": "RPg1RJSlugO6F5Ko0+nFNMR6kYGYD956P0SwbvKufH8="})[:16]
+        '44f8354494a5ba03'
+        >>> whole_sha256({"ChecksumSHA256": "RPg1RJSlugO6F5Ko0+nFNMR6kYGYD956P0SwbvKufH8=-3"}) is None
+        True
+    """
+    checksum = head.get("ChecksumSHA256")
+    if not checksum or "-" in checksum or head.get("ChecksumType") == "COMPOSITE":
+        return None
+    return base64.b64decode(checksum).hex()
 
 
 def _bucket_and_key(uri: str) -> tuple[str, str]:

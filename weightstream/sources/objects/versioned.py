@@ -21,11 +21,13 @@ class RangeSource:
 
     direct = False
 
-    def __init__(self, store: RangeStore, uri: str, size: int, version: str) -> None:
+    def __init__(self, store: RangeStore, uri: str, size: int, version: str, whole_sha256: str | None = None) -> None:
         self.store = store
         self.uri = uri
         self.size = size
         self.version = version
+        self.whole_sha256 = whole_sha256
+        """The sha256 the origin states for the whole object (S3's full-object ``ChecksumSHA256``), if any."""
 
     def read(self, offset: int, nbytes: int) -> bytes:
         buffer = bytearray(nbytes)
