@@ -28,6 +28,7 @@ from tests.conftest import assert_same
 from tests.etcd_server import etcd_server
 from tests.rangeserver import RangeServer
 from weightstream.bench.demo import LlamaShape, llama_state_dict
+from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,6 +112,9 @@ def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Pa
                 (entry,) = counts["entries"].values()
                 assert entry["bytes_from_origin"] + entry["bytes_from_peers"] == size, counts
                 assert entry["bytes_served_to_peers"] == counts["bytes_served_to_peers"], counts
+            EtcdGateway([etcd]).put(f"/daemons/served/node-0/{'0' * 32}/intruder", b"lots")  # not a count
+            assert stats(daemons[0].socket)["fleet"]["bytes_served_to_peers"] == everyone[0]["bytes_served_to_peers"]
+            assert "not a count of bytes: not counted" in daemons[0].log()
             listed = subprocess.run(
                 [sys.executable, "-m", "weightstream.cli", "cache", "fleet", "--fleet", fleet, "--json"],
                 capture_output=True, text=True, timeout=60, check=True, cwd=ROOT,
@@ -272,7 +276,6 @@ def test_an_s3_checksum_catches_a_peer_lying_about_a_piece(s3_endpoint, tmp_path
     import hashlib
 
     from tests.objstore import s3_client
-    from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 
     state = llama_state_dict(LlamaShape(hidden=512, intermediate=1408, layers=2, vocab=2000), seed=18)
     save_file(state, str(tmp_path / "model.safetensors"))

@@ -160,6 +160,9 @@ class FleetFill:
         served: dict[str, int] = {}
         for key, value in self.etcd.get_prefix(prefix).items():
             entry = key.removeprefix(prefix).split("/")[0]
+            if not value.isdigit():
+                log.warning("fleet: %s holds %r, not a count of bytes: not counted", key, value[:40])
+                continue
             served[entry] = served.get(entry, 0) + int(value)
         return served
 
