@@ -194,9 +194,10 @@ def test_verbose_shows_what_weightstream_chose(checkpoint: Path):
     assert f"weightstream: DEBUG: cache='auto': no weightstream cache daemon at {nobody}" in debug.stderr
 
 
-def test_ctrl_c_mid_request_is_one_line_exit_130_and_leaves_nothing(tmp_path: Path):
-    """A load waiting on a server that accepted and never answers: SIGINT ends it at once, one line, exit 130, no
-    traceback, no temporary file, no process left."""
+@pytest.mark.parametrize(("stop", "code", "said"), [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test_ctrl_c_or_sigterm_mid_request_is_one_line_and_leaves_nothing(tmp_path: Path, stop: str, code: int, said: str):
+    """A load waiting on a server that accepted and never answers: SIGINT (Ctrl-C) or SIGTERM (kill, a container
+    stopping) ends it at once, one line, exit 130 or 143, no traceback, no temporary file, no process left."""
     import signal
     import socket
     import time
@@ -216,12 +217,12 @@ def test_ctrl_c_mid_request_is_one_line_exit_130_and_leaves_nothing(tmp_path: Pa
     try:
         connection, _ = silent.accept()  # the load's first request has reached the server
         time.sleep(0.5)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(getattr(signal, stop))
         stdout, stderr = process.communicate(timeout=30)
         connection.close()
     finally:
         silent.close()
         if process.poll() is None:
             process.kill()
-    assert (process.returncode, stdout, stderr) == (130, "", "weightstream: interrupted\n")
+    assert (process.returncode, stdout, stderr) == (code, "", f"weightstream: {said}\n")
     assert list(scratch.iterdir()) == []

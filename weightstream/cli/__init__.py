@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 import weightstream
@@ -30,14 +32,21 @@ LOG_ENVIRONMENT = "WEIGHTSTREAM_LOG"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+class Terminated(BaseException):
+    """SIGTERM reached the command: it unwinds as Ctrl-C does (temporary files, segments and threads released)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 success, 1 a weightstream error, 2 usage, 130 interrupted)."""
+    """Run the command line; returns the exit status (0 success, 1 a weightstream error, 2 usage, 130 interrupted,
+    143 terminated)."""
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command that was given, with its usage, not the top level's
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     verbose = {0: None, 1: "info"}.get(args.verbose, "debug")
     _log_to_stderr(args.log_level or verbose or os.environ.get(LOG_ENVIRONMENT) or "warning")
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
     try:
         return args.run(args)
     except WeightstreamError as error:
@@ -46,6 +55,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("weightstream: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("weightstream: terminated", file=sys.stderr)
+        return 143
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def _log_to_stderr(level: str) -> None:
