@@ -302,16 +302,24 @@ def guarded_s3(tmp_path_factory):
         yield endpoint
 
 
-def test_a_remote_source_is_read_for_another_user_only_with_its_own_credentials(guarded_s3, tmp_path, monkeypatch):
+def guarded_object(guarded_s3: str, tmp_path: Path, key: str, tensors: dict, monkeypatch) -> str:
+    """``tensors`` saved as ``key`` in the guarded bucket; its URI. The environment then holds the admin's
+    credentials: the daemons started after it read with them."""
     from tests.objstore import KEYS, s3_client
 
-    save_file(state(8), str(tmp_path / "model.safetensors"))
-    s3_client(guarded_s3).put_object(
-        Bucket="bench", Key="guarded/model.safetensors", Body=(tmp_path / "model.safetensors").read_bytes()
-    )
-    uri = "s3://bench/guarded/model.safetensors"
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    client = s3_client(guarded_s3)
+    try:
+        client.put_object(Bucket="bench", Key=key, Body=(tmp_path / "model.safetensors").read_bytes())
+    finally:
+        client.close()
     for name, value in {**KEYS, "AWS_ENDPOINT_URL": guarded_s3}.items():
-        monkeypatch.setenv(name, value)  # the daemon's own credentials: the admin's
+        monkeypatch.setenv(name, value)
+    return f"s3://bench/{key}"
+
+
+def test_a_remote_source_is_read_for_another_user_only_with_its_own_credentials(guarded_s3, tmp_path, monkeypatch):
+    uri = guarded_object(guarded_s3, tmp_path, "guarded/model.safetensors", state(8), monkeypatch)
     directory, sock = cache_places("s3sec")
     try:
         with Daemon(directory, sock, "--group", str(GROUP)):
@@ -341,15 +349,8 @@ def test_a_fleet_lends_another_user_nothing_its_own_credentials_would_not_read(g
     only once its own credentials read the origin (the daemon asks it first), never because a peer holds them."""
     pytest.importorskip("nixl_cu12", reason="the fleet's data plane needs NIXL (pip install 'weightstream[fleet]')")
     from tests.etcd_server import etcd_server
-    from tests.objstore import KEYS, s3_client
 
-    save_file(state(10), str(tmp_path / "model.safetensors"))
-    s3_client(guarded_s3).put_object(
-        Bucket="bench", Key="fleet/model.safetensors", Body=(tmp_path / "model.safetensors").read_bytes()
-    )
-    uri = "s3://bench/fleet/model.safetensors"
-    for name, value in {**KEYS, "AWS_ENDPOINT_URL": guarded_s3}.items():
-        monkeypatch.setenv(name, value)  # the daemons' own credentials: the admin's
+    uri = guarded_object(guarded_s3, tmp_path, "fleet/model.safetensors", state(10), monkeypatch)
     holder, server = cache_places("fleetsecholder"), cache_places("fleetsecserver")
     try:
         with etcd_server(tmp_path) as etcd:

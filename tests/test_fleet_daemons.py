@@ -72,6 +72,17 @@ def fleet_of(tmp_path: Path, prefix: str) -> Iterator[Fleet]:
             remove(*place)
 
 
+def read_once(origin: RangeServer, size: int, daemons: list[Daemon]) -> tuple[int, list[dict]]:
+    """After ``daemons`` loaded a ``size``-byte file at once: the origin served about one copy, their own counts say
+    one copy came from it and every other from peers. The origin's ranged bytes and each daemon's fleet counts."""
+    served = origin.ranged_bytes()
+    assert served <= 1.1 * size, f"the origin served {served / size:.2f}x the file to {len(daemons)} daemons"
+    fleets = [stats(daemon.socket)["fleet"] for daemon in daemons]
+    assert sum(f["bytes_from_origin"] for f in fleets) == size, fleets
+    assert sum(f["bytes_from_peers"] for f in fleets) == (len(daemons) - 1) * size, fleets
+    return served, fleets
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time process ``pid`` has used (user and system)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -96,11 +107,7 @@ def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Pa
                 ]
                 for load in loads:
                     assert_same(load.result(), state)
-            served = origin.ranged_bytes()
-            assert served <= 1.1 * size, f"the origin served {served / size:.2f}x the file to three daemons"
-            fleets = [stats(daemon.socket)["fleet"] for daemon in daemons[:3]]
-            assert sum(f["bytes_from_origin"] for f in fleets) == size, fleets
-            assert sum(f["bytes_from_peers"] for f in fleets) == 2 * size, fleets
+            served, _ = read_once(origin, size, daemons[:3])
             assert_same(weightstream.load_weights(url, cache=str(daemons[3].socket)), state)
             late = stats(daemons[3].socket)["fleet"]
             assert (late["bytes_from_origin"], late["bytes_from_peers"]) == (0, size), late
