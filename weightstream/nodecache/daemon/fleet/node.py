@@ -141,21 +141,21 @@ class FleetNode:
             log.warning("%s: the fleet's etcd went away (%s): filling from the origin alone", source.uri, error)
             self._count("fills_without_fleet", 1)
             return False
-        with self._lock:
-            counts = self.entries.setdefault(key, dataclasses.asdict(FillStats()))
-            for name, value in dataclasses.asdict(stats).items():
-                self.counters[name] += value
-                counts[name] += value
+        self._add(key, dataclasses.asdict(stats))
         return True
 
     def refetched(self, key: str, nbytes: int) -> None:
         """Count entry ``key``, filled by the fleet and found not to match the origin's digest, read again from the
         origin (``nbytes``)."""
+        self._add(key, {"entries_refetched": 1, "bytes_refetched": nbytes})
+
+    def _add(self, key: str, counts: dict[str, int]) -> None:
+        """Add ``counts`` to this node's totals and to entry ``key``'s."""
         with self._lock:
-            counts = self.entries.setdefault(key, dataclasses.asdict(FillStats()))
-            for counted in (self.counters, counts):
-                counted["entries_refetched"] += 1
-                counted["bytes_refetched"] += nbytes
+            entry = self.entries.setdefault(key, dataclasses.asdict(FillStats()))
+            for name, value in counts.items():
+                self.counters[name] += value
+                entry[name] += value
 
     def offer(self, segments: Iterable[Segment], path_of: Callable[[str], str]) -> int:
         """Offer the fleet the remote files this node already holds (its segments adopted at start); how many."""
