@@ -1,7 +1,12 @@
 """A fleet node for the tests, as a process of its own: joins the fleet at ``ETCD PREFIX`` as ``NODE``, fills the
 file at ``URL`` (an HTTP origin) into ``OUTPUT`` with the fleet's help, prints where its bytes came from as JSON, then
 serves its copy to peers until its stdin closes. ``--piece-bytes N`` sets the piece size; ``--corrupt`` flips a byte
-of its copy after the fill (a peer serving bad bytes)."""
+of its copy after the fill (a peer serving bad bytes).
+
+Device copies without a GPU: :class:`HostCopies` stands for the daemon's device tier, its copies in anonymous host
+memory offered to peers as NIXL DRAM (the fleet's device path, everything but the GPU). ``--offer-device`` makes and
+offers one after the fill (``--corrupt-device``: with a byte flipped); ``--device-fill`` fills through the device
+path instead, and the JSON says how many copies it made and their sha256."""
 
 from __future__ import annotations
 
@@ -10,14 +15,46 @@ import ctypes
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 import sys
+from collections.abc import Callable
 
+from weightstream.nodecache.daemon.fleet.devices import PeerDevices
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 from weightstream.nodecache.daemon.fleet.fill import FleetFill
 from weightstream.nodecache.daemon.fleet.membership import Membership
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer
 from weightstream.sources import store_for
+
+GPU = "GPU-host-stand-in"
+
+
+class HostCopies:
+    """The device tier's part in the fleet, with host memory for device memory."""
+
+    memory = "DRAM"
+
+    def __init__(self) -> None:
+        self.copies: dict[tuple[str, str], mmap.mmap] = {}
+
+    def index_of(self, uuid: str) -> int:
+        return 0
+
+    def make(self, key: str, uuid: str, nbytes: int, uri: str, write: Callable[[int], None]) -> bool:
+        if (key, uuid) in self.copies:
+            return False
+        buffer = mmap.mmap(-1, nbytes)
+        write(ctypes.addressof(ctypes.c_char.from_buffer(buffer)))
+        self.copies[key, uuid] = buffer
+        return True
+
+    def to_host(self, address: int, host_address: int, nbytes: int) -> None:
+        ctypes.memmove(host_address, address, nbytes)
+
+    def drop(self, key: str) -> None:
+        for wanted in [wanted for wanted in self.copies if wanted[0] == key]:
+            del self.copies[wanted]
 
 
 def main() -> None:
@@ -29,6 +66,9 @@ def main() -> None:
     parser.add_argument("output")
     parser.add_argument("--piece-bytes", type=int, default=16 << 20)
     parser.add_argument("--corrupt", action="store_true")
+    parser.add_argument("--offer-device", action="store_true")
+    parser.add_argument("--corrupt-device", action="store_true")
+    parser.add_argument("--device-fill", action="store_true")
     args = parser.parse_args()
 
     store = store_for(args.url)
@@ -43,15 +83,36 @@ def main() -> None:
     member = Membership(EtcdGateway([args.etcd]), args.prefix, args.node, {}, ttl_s=5)
     fd = os.open(args.output, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     os.ftruncate(fd, source.size)
-    stats = FleetFill(member, fetcher, server, piece_bytes=args.piece_bytes).fill(entry, fd, source.size, read_origin)
+    fleet = FleetFill(member, fetcher, server, piece_bytes=args.piece_bytes)
+    copies = HostCopies()
+    devices = PeerDevices(fleet, copies)
+    if args.device_fill:
+        stats = devices.fill(
+            entry, GPU, fd, source.size, args.url, lambda: fleet.fill(entry, fd, source.size, read_origin)
+        )
+    else:
+        stats = fleet.fill(entry, fd, source.size, read_origin)
     if args.corrupt:
         os.pwrite(fd, b"\xff" * 64, 4096)
-    print(json.dumps(dataclasses.asdict(stats)), flush=True)
+    if args.offer_device:
+        copies.make(
+            entry, GPU, source.size, args.url, lambda address: os.preadv(fd, [copy_at(address, source.size)], 0)
+        )
+        copy = copies.copies[entry, GPU]
+        if args.corrupt_device:
+            copy[source.size - 1] ^= 0xFF
+        devices.offer(entry, GPU, ctypes.addressof(ctypes.c_char.from_buffer(copy)), source.size)
+    made = [hashlib.sha256(copy).hexdigest() for copy in copies.copies.values()]
+    print(json.dumps({**dataclasses.asdict(stats), "device_copies": made}), flush=True)
     sys.stdin.read()
     member.close()
     server.close()
     source.close()
     store.close()
+
+
+def copy_at(address: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 if __name__ == "__main__":

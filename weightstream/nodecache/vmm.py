@@ -17,7 +17,7 @@ import functools
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
@@ -82,7 +82,7 @@ def on_device(index: int) -> Iterator[None]:
 
     Example:
         >>> with on_device(1):  # doctest: +SKIP
-        ...     copy = ExportedCopy(address, nbytes, 1, "model.safetensors")
+        ...     address = ExportedCopy(nbytes, 1, "model.safetensors", write).map_read_only()
     """
     bindings = driver()
     (status,) = bindings.cuCtxPushCurrent(_primary_context(index))
@@ -126,20 +126,23 @@ def allocation_bytes(nbytes: int, index: int) -> int:
 
 
 class ExportedCopy:
-    """``nbytes`` copied from host memory at ``host_address`` to a new allocation on device ``index``, exported as a
-    POSIX file descriptor (:attr:`fd`). The daemon keeps one per cached file and GPU; :meth:`release` drops its
-    handle and descriptor (importers keep the memory until they unmap it).
+    """A new allocation of ``nbytes`` on device ``index``, filled by ``write(address)`` (the allocation mapped
+    writable at ``address`` for the call: :func:`host_writer` copies host memory there, the fleet reads a peer's copy
+    into it) and exported as a POSIX file descriptor (:attr:`fd`). The daemon keeps one per cached file and GPU;
+    :meth:`release` drops its handle and descriptor (importers keep the memory until they unmap it).
 
     Raises:
         CacheFullError: the device has no room for it.
         DeviceUnavailableError: the driver refused a call.
+        Whatever ``write`` raises (the allocation is released first).
 
     Example:
-        >>> copy = ExportedCopy(segment_address, 1 << 30, 0)  # doctest: +SKIP
+        >>> write = host_writer(segment_address, 1 << 30, "model.safetensors")  # doctest: +SKIP
+        >>> copy = ExportedCopy(1 << 30, 0, "model.safetensors", write)  # doctest: +SKIP
         >>> socket.send_fds(connection, [answer], [copy.fd])  # doctest: +SKIP
     """
 
-    def __init__(self, host_address: int, nbytes: int, index: int, what: str) -> None:
+    def __init__(self, nbytes: int, index: int, what: str, write: Callable[[int], None]) -> None:
         bindings = driver()
         self.nbytes, self.index = nbytes, index
         with on_device(index):
@@ -154,8 +157,7 @@ class ExportedCopy:
             try:
                 address = map_allocation(self._handle, self.allocation_bytes, index, writable=True)
                 try:
-                    (status,) = bindings.cuMemcpyHtoD(address, host_address, nbytes)
-                    check(status, f"cuMemcpyHtoD of {nbytes} bytes of {what}")
+                    write(address)
                 finally:
                     unmap_allocation(address, self.allocation_bytes)
                 handle_type = bindings.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -166,11 +168,38 @@ class ExportedCopy:
                 _logged(bindings.cuMemRelease(self._handle), f"cuMemRelease of {what}'s copy")
                 raise
 
+    def map_read_only(self) -> int:
+        """The allocation mapped read-only in this process (for the fleet's peers to read through NIXL); its address,
+        to be unmapped with :func:`unmap_allocation` (``allocation_bytes``) on this device."""
+        with on_device(self.index):
+            return map_allocation(self._handle, self.allocation_bytes, self.index, writable=False)
+
     def release(self) -> None:
         """Close the descriptor and release the daemon's handle (a failure is logged: nothing can be done then)."""
         os.close(self.fd)
         with on_device(self.index):
             _logged(driver().cuMemRelease(self._handle), f"cuMemRelease of a {self.allocation_bytes}-byte copy")
+
+
+def host_writer(host_address: int, nbytes: int, what: str) -> Callable[[int], None]:
+    """A ``write`` for :class:`ExportedCopy` that copies ``nbytes`` of host memory at ``host_address`` (``what``'s
+    bytes) to the device."""
+
+    def write(address: int) -> None:
+        (status,) = driver().cuMemcpyHtoD(address, host_address, nbytes)
+        check(status, f"cuMemcpyHtoD of {nbytes} bytes of {what}")
+
+    return write
+
+
+def copy_to_host(address: int, host_address: int, nbytes: int) -> None:
+    """Copy ``nbytes`` of device memory at ``address`` to host memory at ``host_address`` (in the current context).
+
+    Raises:
+        DeviceMemoryError: the driver refused the copy.
+    """
+    (status,) = driver().cuMemcpyDtoH(host_address, address, nbytes)
+    check(status, f"cuMemcpyDtoH of {nbytes} bytes", DeviceMemoryError)
 
 
 def map_allocation(handle: object, nbytes: int, index: int, *, writable: bool) -> int:

@@ -201,9 +201,11 @@ class SegmentStore:
         threads: int,
         cancel: threading.Event | None = None,
         fleet: FleetNode | None = None,
+        gpu: str | None = None,
     ) -> Segment:
         """Read ``source`` whole into a new segment ``key`` and publish it (file, then manifest); with ``fleet``, a
-        remote source's pieces come from the fleet's nodes where one has them.
+        remote source's pieces come from the fleet's nodes where one has them (for a client wanting a copy on GPU
+        ``gpu``: from a peer's device copy where one serves it).
 
         Safe to run outside the daemon's lock: it writes only its own temporary file until it renames it.
         On any error the temporary file is removed and nothing is published. Once ``cancel`` is set, reads not yet
@@ -217,7 +219,7 @@ class SegmentStore:
             try:
                 # A remote file with a fleet: its pieces from the fleet (False: etcd went away, the origin alone).
                 remote = fleet is not None and source.uri.startswith(REMOTE_SCHEMES)
-                from_fleet = bool(source.size) and remote and fleet.fill(key, source, fd, threads, cancel)  # type: ignore[union-attr]
+                from_fleet = bool(source.size) and remote and fleet.fill(key, source, fd, threads, cancel, gpu)  # type: ignore[union-attr]
                 if source.size and not from_fleet:
                     self._read_origin(source, fd, threads, cancel)
                 refetched = from_fleet and not _held_bytes_check(source, fd)  # what the origin says of the whole

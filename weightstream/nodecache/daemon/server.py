@@ -91,6 +91,8 @@ class CacheDaemon:
             self.segments = SegmentStore(directory, budget, huge_pages, on_evict=self._evicted)
             self.entries = EntryTable(self.segments, self.segments.references)
             self.devices = None if not devices else DeviceTier(devices, device_budget)
+            if fleet is not None and self.devices is not None:  # device copies fill each other GPU to GPU
+                self.devices.offers = fleet.use_devices(self.devices)
             if fleet is not None:  # what this node held before it started is the fleet's too
                 fleet.offer(list(self.segments.segments.values()), self.segments.path)
         except BaseException:
@@ -300,12 +302,13 @@ class CacheDaemon:
 
     @contextlib.contextmanager
     def _attached(
-        self, peer: Peer, request: Mapping[str, object], fds: list[int]
+        self, peer: Peer, request: Mapping[str, object], fds: list[int], gpu: str | None = None
     ) -> Iterator[tuple[dict[str, object], int]]:
-        """The answer to an attach and the segment's descriptor, the entry pinned while they are sent."""
+        """The answer to an attach and the segment's descriptor, the entry pinned while they are sent (filled for a
+        client that wants its copy on GPU ``gpu``, where one is named)."""
         with open_for_client(peer, request, fds, self.stores) as (source, key):
             self._count("attaches")
-            with self.entries.hand_out(key, source.size, source.uri, lambda: self._fill(key, source)) as (
+            with self.entries.hand_out(key, source.size, source.uri, lambda: self._fill(key, source, gpu)) as (
                 segment,
                 filled,
             ):
@@ -338,7 +341,8 @@ class CacheDaemon:
                 f"this cache daemon keeps no device copies (start it with --device cuda:N); asked for {gpu}"
             )
         segment_request = {name: value for name, value in request.items() if name != "gpu"}
-        with self._attached(peer, segment_request, fds) as (answer, _):
+        served = gpu if gpu in self.devices.uuids else None  # another GPU: the host tier filled, then refused
+        with self._attached(peer, segment_request, fds, served) as (answer, _):
             key, size = str(answer["key"]), int(answer["size"])  # type: ignore[call-overload]
             fd, allocation_bytes = self.devices.copy_of(key, gpu, self.segments.path(key), size, str(request["uri"]))
             try:
@@ -353,9 +357,9 @@ class CacheDaemon:
         if self.fleet is not None:
             self.fleet.evicted(key)
 
-    def _fill(self, key: str, source: Source) -> Segment:
+    def _fill(self, key: str, source: Source, gpu: str | None = None) -> Segment:
         try:
-            segment = self.segments.fill(key, source, self.fill_threads, self._cancel_fills, self.fleet)
+            segment = self.segments.fill(key, source, self.fill_threads, self._cancel_fills, self.fleet, gpu)
         except BaseException as error:
             self._count("fill_errors")
             log.warning("fill of %s (%s) failed: %s: %s", key, source.uri, type(error).__name__, error)

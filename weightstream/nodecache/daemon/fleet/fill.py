@@ -84,6 +84,8 @@ class FillStats:
     entries_refetched: int = 0
     """Fills whose pieces all passed their checks and the whole then failed the origin's own digest (an OCI blob's):
     read whole from the origin again."""
+    bytes_from_peer_devices: int = 0
+    """Of ``bytes_from_peers``, those read from a peer's device copy into this node's (GPU to GPU)."""
 
 
 def piece_size(size: int) -> int:
@@ -118,7 +120,7 @@ class FleetFill:
         """Each entry this node holds whole, and where peers read it (put again under a new lease)."""
         self._read_from: dict[tuple[str, str], int] = {}
         """Bytes this node has read from each (peer, entry), to report as the peer's ``served`` count."""
-        membership.on_registered_again = self._offer_again
+        membership.on_registered_again.append(self._offer_again)
 
     def fill(self, entry: str, fd: int, size: int, read_origin: ReadOrigin) -> FillStats:
         """Fill the file ``fd`` (``size`` bytes long already) with ``entry``'s bytes; where they came from.
@@ -136,7 +138,7 @@ class FleetFill:
             try:
                 stats = entry_fill.run()
             finally:
-                self._report_served(entry, entry_fill.read_from)
+                self.report_served(entry, entry_fill.read_from)
             self._offered[entry] = json.dumps(where).encode()
             self.etcd.put(self.key("complete", entry, self.node), self._offered[entry], self.membership.lease)
             return stats
@@ -166,7 +168,7 @@ class FleetFill:
             served[entry] = served.get(entry, 0) + int(value)
         return served
 
-    def _report_served(self, entry: str, read_from: dict[str, tuple[int, int]]) -> None:
+    def report_served(self, entry: str, read_from: dict[str, tuple[int, int]]) -> None:
         """Tell each peer this fill read from (with the lease of the peer's offer, so the count goes when it does)
         how many bytes of ``entry`` it has served this node in all."""
         for peer, (nbytes, lease) in read_from.items():
@@ -210,6 +212,21 @@ class FleetFill:
             raise FleetUnavailableError(f"the fleet's plan for {entry} says pieces of {agreed[:40]!r} bytes")
         return int(agreed)
 
+    def agreed_plan(self, entry: str) -> int | None:
+        """The piece size the fleet agreed for ``entry``; None where none was (or what is there is not one)."""
+        agreed = self.etcd.get(self.key("plan", entry))
+        return int(agreed) if agreed is not None and agreed.isdigit() and int(agreed) > 0 else None
+
+    def digests(self, entry: str) -> dict[int, str]:
+        """Every published piece digest of ``entry``, by piece (one range request, not one per piece)."""
+        prefix = self.key("digests", entry) + "/"
+        found = {}
+        for key, value in self.etcd.get_prefix(prefix).items():
+            piece = key.removeprefix(prefix)
+            if piece.isdigit():
+                found[int(piece)] = value.decode()
+        return found
+
     def key(self, kind: str, entry: str, name: str = "") -> str:
         """The fleet's key of ``kind`` for ``entry`` (and ``name``: a node, a piece)."""
         return f"{self.prefix}{kind}/{entry}" + (f"/{name}" if name else "")
@@ -242,7 +259,7 @@ class _EntryFill:
                     self._check_failed()
                     if waiting := pending - moving.keys():
                         records, holders = self.claims.pieces(self.entry), self._complete_holders()
-                        digests = self._digests() if holders else {}
+                        digests = self.fleet.digests(self.entry) if holders else {}
                     for piece in sorted(waiting):
                         peer = self._peer_for(piece, records.get(piece), holders, digests)
                         if peer is not None:
@@ -339,13 +356,6 @@ class _EntryFill:
         with self._lock:
             for name, value in counts.items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)
-
-    def _digests(self) -> dict[int, str]:
-        """Every published piece digest of the entry, by piece (one range request, not one per piece)."""
-        prefix = self.fleet.key("digests", self.entry) + "/"
-        return {
-            int(key.removeprefix(prefix)): value.decode() for key, value in self.fleet.etcd.get_prefix(prefix).items()
-        }
 
     def _complete_holders(self) -> list[str]:
         """The other nodes holding the whole entry."""

@@ -37,8 +37,8 @@ class Membership:
         self.nodes_prefix = f"{prefix.rstrip('/')}/nodes/"
         self._description = json.dumps({"node": node, **description}).encode()
         self._stop = threading.Event()
-        self.on_registered_again: Callable[[int], None] | None = None
-        """Called with the new lease after the node registered again (its keys under the old lease are gone)."""
+        self.on_registered_again: list[Callable[[int], None]] = []
+        """Each called with the new lease after the node registered again (its keys under the old lease are gone)."""
         self.lease = self._register()
         self._renewer = threading.Thread(target=self._renew, name="weightstream-fleet-lease", daemon=True)
         self._renewer.start()
@@ -71,8 +71,8 @@ class Membership:
                 if self.etcd.keepalive(self.lease) == 0:
                     log.warning("fleet lease of %s expired (etcd was out of reach): registering again", self.node)
                     self.lease = self._register()
-                    if self.on_registered_again is not None:
-                        self.on_registered_again(self.lease)
+                    for offer_again in self.on_registered_again:
+                        offer_again(self.lease)
                 if unreachable:
                     log.warning("fleet: etcd answers again")
                 unreachable = False

@@ -18,6 +18,7 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 
 from weightstream.errors import CacheConfigError, FleetUnavailableError, logger
+from weightstream.nodecache.daemon.fleet.devices import DeviceCopies, PeerDevices
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill
 from weightstream.nodecache.daemon.fleet.membership import Membership
@@ -75,7 +76,8 @@ def tls_context(ca: str | None, certificate: str | None, key: str | None) -> ssl
 
 
 def describe_fleet(address: FleetAddress, tls: ssl.SSLContext | None = None) -> dict[str, object]:
-    """What ``cache fleet`` shows: each live node, and the entries each holds whole or is filling.
+    """What ``cache fleet`` shows: each live node, the entries each holds whole or is filling, and its device copies
+    (``ENTRY GPU``).
 
     Raises:
         FleetUnavailableError: etcd does not answer.
@@ -83,7 +85,7 @@ def describe_fleet(address: FleetAddress, tls: ssl.SSLContext | None = None) -> 
     etcd = EtcdGateway(address.endpoints, tls)
     prefix = address.prefix.rstrip("/") + "/"
     nodes = {
-        key.removeprefix(prefix + "nodes/"): {"complete": [], "filling": []}
+        key.removeprefix(prefix + "nodes/"): {"complete": [], "filling": [], "devices": []}
         for key in etcd.get_prefix(prefix + "nodes/")
     }
     complete = {
@@ -93,6 +95,10 @@ def describe_fleet(address: FleetAddress, tls: ssl.SSLContext | None = None) -> 
         entry, node = key.removeprefix(prefix + "segments/").split("/")
         if node in nodes:
             nodes[node]["complete" if (entry, node) in complete else "filling"].append(entry)
+    for key in etcd.get_prefix(prefix + "devices/"):
+        entry, node, gpu = key.removeprefix(prefix + "devices/").split("/")
+        if node in nodes:
+            nodes[node]["devices"].append(f"{entry} {gpu}")
     return {"prefix": address.prefix, "endpoints": list(address.endpoints), "nodes": nodes}
 
 
@@ -104,6 +110,8 @@ class FleetNode:
         self.counters = {**dataclasses.asdict(FillStats()), "fills_without_fleet": 0}
         self.entries: dict[str, dict[str, int]] = {}
         """Where each entry filled since the daemon started got its bytes (as ``counters``, for that entry)."""
+        self.devices: PeerDevices | None = None
+        """This node's device copies in the fleet (where the daemon keeps some: :meth:`use_devices`)."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -120,9 +128,25 @@ class FleetNode:
         server = PieceServer(node)
         return cls(FleetFill(membership, PieceFetcher(node), server), membership, server)
 
-    def fill(self, key: str, source: Source, fd: int, threads: int, cancel: threading.Event | None) -> bool:
-        """Fill the file ``fd`` with ``source``'s bytes with the fleet's help (sizing it first); False where etcd
-        went away (logged and counted): the caller then reads the whole file from the origin as it would alone."""
+    def use_devices(self, copies: DeviceCopies) -> PeerDevices:
+        """Offer the device copies of ``copies`` (the daemon's device tier) to peers, and fill device requests from
+        peers' copies; what the tier tells of the copies it makes and releases."""
+        self.devices = PeerDevices(self._fill, copies)
+        return self.devices
+
+    def fill(
+        self,
+        key: str,
+        source: Source,
+        fd: int,
+        threads: int,
+        cancel: threading.Event | None,
+        gpu: str | None = None,
+    ) -> bool:
+        """Fill the file ``fd`` with ``source``'s bytes with the fleet's help (sizing it first), for a client that
+        wants its copy on GPU ``gpu`` where one is named (read from a peer's device copy where one serves it, this
+        node's device copy made on the way); False where etcd went away (logged and counted): the caller then reads
+        the whole file from the origin as it would alone."""
 
         def read_origin(offset: int, nbytes: int, into: int) -> None:
             view = memory_at(into, nbytes)
@@ -134,9 +158,15 @@ class FleetNode:
                 for read in reads:
                     read.result()
 
+        def from_hosts() -> FillStats:
+            return self._fill.fill(key, fd, source.size, read_origin)
+
         os.ftruncate(fd, source.size)
         try:
-            stats = self._fill.fill(key, fd, source.size, read_origin)
+            if gpu is None or self.devices is None:
+                stats = from_hosts()
+            else:
+                stats = self.devices.fill(key, gpu, fd, source.size, source.uri, from_hosts)
         except FleetUnavailableError as error:
             log.warning("%s: the fleet's etcd went away (%s): filling from the origin alone", source.uri, error)
             self._count("fills_without_fleet", 1)
@@ -146,7 +176,10 @@ class FleetNode:
 
     def refetched(self, key: str, nbytes: int) -> None:
         """Count entry ``key``, filled by the fleet and found not to match the origin's digest, read again from the
-        origin (``nbytes``)."""
+        origin (``nbytes``); a device copy made from peers on the way goes (the tier makes it again from the
+        segment)."""
+        if self.devices is not None:
+            self.devices.copies.drop(key)
         self._add(key, {"entries_refetched": 1, "bytes_refetched": nbytes})
 
     def _add(self, key: str, counts: dict[str, int]) -> None:
@@ -172,7 +205,9 @@ class FleetNode:
         return offered
 
     def evicted(self, key: str) -> None:
-        """Stop offering segment ``key``."""
+        """Stop offering segment ``key`` (evicted, or its fill failed: its device copies go too)."""
+        if self.devices is not None:
+            self.devices.copies.drop(key)
         try:
             self._fill.forget(key)
         except FleetUnavailableError as error:

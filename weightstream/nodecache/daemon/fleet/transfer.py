@@ -40,6 +40,8 @@ PROGRESS_WAIT_US = 5000
 """How long NIXL's UCX progress thread waits for its workers' events before it looks anyway. ``nixl_agent`` sets 0,
 and the thread then spins: measured here (nixl-cu12 1.5.1), an idle agent kept 100% of a CPU busy, a fleet daemon
 (two agents) 198%; with 1 ms 2%, and a 256 MiB read ran as fast (0.9-1.07 GB/s over loopback TCP either way)."""
+MEMORY_KINDS = ("DRAM", "VRAM")
+"""What a node offers: host memory (segments) and device memory (device copies, ``weightstream...fleet.devices``)."""
 _CONFIG_LOCK = threading.Lock()
 
 
@@ -96,7 +98,8 @@ class PieceServer:
     def __init__(self, node: str) -> None:
         self.node = node
         self._agent = _agent(node)
-        self._published: dict[str, tuple[int, int, object]] = {}
+        self._published: dict[str, tuple[int | None, int, object]] = {}
+        """Each offer: the address of its mapping where this server made it (else None), its size, its registration."""
         self._lock = threading.Lock()
 
     def publish(self, key: str, fd: int, size: int) -> dict[str, object]:
@@ -104,23 +107,34 @@ class PieceServer:
         and the agent metadata a peer loads to reach it (this registration and how to connect, hex)."""
         address = map_file(fd, size, mmap.PROT_READ)
         try:
-            registration = self._agent.register_memory([(address, size, 0, "")], "DRAM")  # type: ignore[attr-defined]
+            return self._register(key, address, size, "DRAM", 0, address)
         except BaseException:
             unmap(address, size)
             raise
+
+    def publish_memory(self, key: str, address: int, size: int, memory: str, device: int) -> dict[str, object]:
+        """Offer ``size`` bytes at ``address`` as ``key``: memory of kind ``memory`` (``"VRAM"``: device ``device``'s,
+        a device copy mapped read-only; ``"DRAM"``), which stays the caller's to unmap after :meth:`withdraw`."""
+        return self._register(key, address, size, memory, device, None)
+
+    def _register(
+        self, key: str, address: int, size: int, memory: str, device: int, owned: int | None
+    ) -> dict[str, object]:
+        registration = self._agent.register_memory([(address, size, device, "")], memory)  # type: ignore[attr-defined]
         with self._lock:
-            self._published[key] = (address, size, registration)
+            self._published[key] = (owned, size, registration)
         metadata = self._agent.get_partial_agent_metadata(registration, True)  # type: ignore[attr-defined]
-        return {"address": address, "size": size, "metadata": bytes(metadata).hex()}
+        return {"address": address, "size": size, "memory": memory, "device": device, "metadata": bytes(metadata).hex()}
 
     def withdraw(self, key: str) -> None:
-        """Stop offering segment ``key`` (evicted): peers reading it from now on fail and go elsewhere."""
+        """Stop offering ``key`` (evicted): peers reading it from now on fail and go elsewhere."""
         with self._lock:
             published = self._published.pop(key, None)
         if published is not None:
-            address, size, registration = published
+            owned, size, registration = published
             self._agent.deregister_memory(registration)  # type: ignore[attr-defined]
-            unmap(address, size)
+            if owned is not None:
+                unmap(owned, size)
 
     def close(self) -> None:
         for key in list(self._published):
@@ -148,9 +162,12 @@ class PieceFetcher:
         nbytes: int,
         destination: int,
         sha256: str | None = None,
+        memory: str = "DRAM",
+        device: int = 0,
     ) -> None:
-        """Read ``nbytes`` at ``offset`` of the segment ``peer`` published as ``where`` (:meth:`PieceServer.publish`'s
-        answer) into memory at ``destination`` (this process's), and check them against ``sha256`` where given.
+        """Read ``nbytes`` at ``offset`` of what ``peer`` published as ``where`` (:meth:`PieceServer.publish`'s
+        answer: a segment, or a device copy) into memory at ``destination`` (this process's, of kind ``memory`` on
+        ``device``), and check them against ``sha256`` where given (host memory only).
 
         Raises:
             FleetPeerError: the peer failed, stalled past the timeout, or the bytes are not the piece.
@@ -158,8 +175,16 @@ class PieceFetcher:
         size, remote_address = int(where["size"]), int(where["address"])  # type: ignore[call-overload]
         if offset < 0 or offset + nbytes > size:
             raise FleetPeerError(f"{peer}: bytes {offset}..{offset + nbytes} lie outside its {size}-byte segment")
+        remote_memory, remote_device = where.get("memory", "DRAM"), where.get("device", 0)
+        if remote_memory not in MEMORY_KINDS or not isinstance(remote_device, int) or remote_device < 0:
+            raise FleetPeerError(
+                f"{peer}: its offer names memory {remote_memory!r:.20} on device {remote_device!r:.20}"
+            )
+        remote = (remote_address, str(remote_memory), remote_device)
         with self._lock:
-            self._transfer(peer, remote_address, bytes.fromhex(str(where["metadata"])), offset, nbytes, destination)
+            self._transfer(
+                peer, bytes.fromhex(str(where["metadata"])), remote, offset, nbytes, (destination, memory, device)
+            )
         if sha256 is not None:
             got = hashlib.sha256(memory_at(destination, nbytes)).hexdigest()
             if got != sha256:
@@ -169,21 +194,29 @@ class PieceFetcher:
                 )
 
     def _transfer(
-        self, peer: str, remote_address: int, metadata: bytes, offset: int, nbytes: int, destination: int
+        self,
+        peer: str,
+        metadata: bytes,
+        remote: tuple[int, str, int],
+        offset: int,
+        nbytes: int,
+        local: tuple[int, str, int],
     ) -> None:
-        """The NIXL READ itself, bounded by the timeout (called holding the agent's lock)."""
+        """The NIXL READ itself of ``nbytes`` at ``offset`` of ``remote`` into ``local`` (each: address, memory kind,
+        device), bounded by the timeout (called holding the agent's lock)."""
         agent = self._agent
+        (remote_address, remote_memory, remote_device), (destination, memory, device) = remote, local
         try:
             name = self._remote(peer, remote_address, metadata)
         except Exception as error:  # noqa: BLE001 - NIXL cannot reach the peer's agent (NIXL_ERR_BACKEND)
             raise FleetPeerError(f"{peer}: cannot reach its agent: {error}") from None
-        local = agent.register_memory([(destination, nbytes, 0, "")], "DRAM")  # type: ignore[attr-defined]
+        registration = agent.register_memory([(destination, nbytes, device, "")], memory)  # type: ignore[attr-defined]
         try:
             started = time.monotonic()
             handle = agent.initialize_xfer(  # type: ignore[attr-defined]
                 "READ",
-                agent.get_xfer_descs([(destination, nbytes, 0)], "DRAM"),  # type: ignore[attr-defined]
-                agent.get_xfer_descs([(remote_address + offset, nbytes, 0)], "DRAM"),  # type: ignore[attr-defined]
+                agent.get_xfer_descs([(destination, nbytes, device)], memory),  # type: ignore[attr-defined]
+                agent.get_xfer_descs([(remote_address + offset, nbytes, remote_device)], remote_memory),  # type: ignore[attr-defined]
                 name,
             )
             try:
@@ -204,7 +237,7 @@ class PieceFetcher:
         except Exception as error:  # noqa: BLE001 - NIXL's own errors (a peer gone: NIXL_ERR_REMOTE_DISCONNECT)
             raise FleetPeerError(f"{peer}: the read of bytes {offset}..{offset + nbytes} failed: {error}") from None
         finally:
-            agent.deregister_memory(local)  # type: ignore[attr-defined]
+            agent.deregister_memory(registration)  # type: ignore[attr-defined]
 
     def forget(self, peer: str) -> None:
         """Drop what is known of ``peer``'s agent (it left, or restarted): the next read loads it again."""
