@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +33,7 @@ SKIPPED = 77
 GRACE_S = 10
 BUDGET_S = 480
 CUDA_TESTS_OF_THE_CACHE = ("tests/test_cache_gpu_tier.py", "tests/test_segment_copies.py")
+FLEET_GPU_TEST = "tests/test_fleet_gpu.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,7 @@ STEPS = (
     ),
     Step(
         "ring-tests",
-        80,
+        65,
         lambda out, dry: python(
             "-m",
             "pytest",
@@ -102,14 +104,20 @@ STEPS = (
             "-m",
             "cuda",
             "tests",
-            *(f"--ignore={path}" for path in CUDA_TESTS_OF_THE_CACHE),
+            *(f"--ignore={path}" for path in (*CUDA_TESTS_OF_THE_CACHE, FLEET_GPU_TEST)),
         ),
         pytest_figure,
     ),
     Step(
         "cache-tier-tests",
-        80,
+        65,
         lambda out, dry: python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *CUDA_TESTS_OF_THE_CACHE),
+        pytest_figure,
+    ),
+    Step(
+        "fleet-gpu",
+        30,
+        lambda out, dry: python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-rs", FLEET_GPU_TEST),
         pytest_figure,
     ),
     Step(
@@ -274,10 +282,28 @@ def bench(cache: str, json_path: str, dry: bool) -> int:
     return result.returncode
 
 
+def slim_wheel(wheel: str, into: str, leave_out: str) -> int:
+    """Copy ``wheel`` into the folder ``into`` without its files under ``leave_out`` (and their RECORD lines)."""
+    source = Path(wheel)
+    target = Path(into) / source.name
+    with zipfile.ZipFile(source) as original, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as slim:
+        for item in original.infolist():
+            if item.filename.startswith(leave_out):
+                continue
+            data = original.read(item)
+            if item.filename.endswith(".dist-info/RECORD"):
+                data = b"".join(
+                    line for line in data.splitlines(keepends=True) if not line.startswith(leave_out.encode())
+                )
+            slim.writestr(item, data)
+    print(f"{target}: {source.stat().st_size >> 20} MiB without {leave_out}: {target.stat().st_size >> 20} MiB")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="print the plan (step, limit in seconds) and exit")
-    parser.add_argument("action", nargs="?", choices=("run", "install-wheels", "bench"), default=None)
+    parser.add_argument("action", nargs="?", choices=("run", "install-wheels", "bench", "slim-wheel"), default=None)
     parser.add_argument("arguments", nargs="*")
     parser.add_argument("--dry-run", action="store_true", help="small sizes; steps needing CUDA skip without one")
     args = parser.parse_args()
@@ -287,6 +313,8 @@ def main() -> int:
         return 0
     if args.action == "install-wheels":
         return install_wheels()
+    if args.action == "slim-wheel":
+        return slim_wheel(*args.arguments)
     if args.action == "bench":
         return bench(args.arguments[0], args.arguments[1], args.dry_run)
     if args.action == "run":

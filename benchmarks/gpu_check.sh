@@ -10,13 +10,19 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PEERS=(fastsafetensors==0.5.0 runai-model-streamer==0.17.1 instanttensor==0.2.2 humanize==4.12.3 typer==0.16.0)
+NIXL=nixl-cu12==1.5.1
 
 prepare() {
     grep -qxF /.whl/ .git/info/exclude || echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl "${PEERS[@]}"
-    ls -la .whl
+    # NIXL for the fleet-gpu step: its wheel (65 MiB) alone passes the device tool's 64 MiB; without its
+    # expert-parallel kernels (nixl_ep_cu12, not used here) it is 29 MiB.
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 -d /tmp/gpu-check-nixl "$NIXL" &&
+        python3 benchmarks/gpu_check.py slim-wheel /tmp/gpu-check-nixl/nixl_cu12-*.whl .whl nixl_ep_cu12/
+    ls -la .whl && du -sh .whl
 }
 
 case "${1:-}" in

@@ -17,6 +17,7 @@ STEPS = [
     "paths",
     "ring-tests",
     "cache-tier-tests",
+    "fleet-gpu",
     "device-window",
     "cache-gpu-bench",
     "bench-warm",

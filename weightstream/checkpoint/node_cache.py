@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -87,6 +88,10 @@ class NodeCache:
         location = os.fspath(uri)
         options = {"storage_options": dict(storage_options)} if storage_options else {}
         device_option = {} if device is None else {"device": device}
+        uuid = None
+        if device is not None:
+            with contextlib.suppress(DeviceUnavailableError):  # raised once the host tier is filled (_check_device)
+                uuid = self._device_uuid(device)
         with open_checkpoint(location, format, filter=(), **options) as planned:
             files = [(spec.path, spec.size) for spec in planned.plan.files]
         total = sum(size for _, size in files)
@@ -95,8 +100,15 @@ class NodeCache:
         client = CacheClient(self.socket)
         try:
             client.request({"op": "room", "bytes": total, "uri": daemon_uri(location)})
+            # A daemon keeping copies on the GPU is asked for them with each file: in a fleet it may then fill both
+            # from a peer's copy on its GPU (GPU to GPU); it keeps the copies for the load that follows.
+            served = uuid is not None and uuid in dict(client.request({"op": "stats"})[0].get("devices") or {})
             for path, size in files:
-                answer, fds = client.attach(path, storage_options=storage_options)
+                if served:
+                    message = {"op": "device", "uri": path, "size": None, "version": None, "gpu": uuid}
+                    answer, fds = client.request_file({**message, "storage_options": dict(storage_options or {})})
+                else:
+                    answer, fds = client.attach(path, storage_options=storage_options)
                 close_all(fds)
                 keys.append(str(answer["key"]))
                 gpus = answer.get("gpus")
@@ -140,8 +152,12 @@ class NodeCache:
         answer.pop("ok", None)
         return answer
 
-    def _check_device(self, device: str, gpus: object) -> None:
-        """Refuse a ``device`` that is no GPU, or one the daemon keeps no copies on."""
+    def _device_uuid(self, device: str) -> str:
+        """The UUID of GPU ``device`` (``cuda:N``).
+
+        Raises:
+            DeviceUnavailableError: ``device`` is no GPU, or there is none.
+        """
         import torch
 
         from weightstream.nodecache.vmm import gpu_uuid
@@ -149,7 +165,11 @@ class NodeCache:
         target = torch.device(device)
         if target.type != "cuda":
             raise DeviceUnavailableError(f"device={device!r}: name a GPU as cuda:N")
-        uuid = gpu_uuid(target.index if target.index is not None else 0)
+        return gpu_uuid(target.index if target.index is not None else 0)
+
+    def _check_device(self, device: str, gpus: object) -> None:
+        """Refuse a ``device`` the daemon keeps no copies on."""
+        uuid = self._device_uuid(device)
         if not isinstance(gpus, list) or uuid not in gpus:
             raise CacheError(
                 f"the cache daemon keeps no device copies on {device} ({uuid}); it serves {gpus or 'none'}"
