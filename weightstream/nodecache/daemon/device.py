@@ -212,7 +212,8 @@ class DeviceTier:
             return
         try:
             entry.offered_at = entry.copy.map_read_only()
-            self.offers.offer(*wanted, entry.offered_at, entry.copy.nbytes)
+            with vmm.on_device(self._index[wanted[1]]):  # NIXL registers the mapping as the GPU's memory
+                self.offers.offer(*wanted, entry.offered_at, entry.copy.nbytes)
         except Exception as error:  # noqa: BLE001 - the fleet (etcd, NIXL) failing costs peers this copy, no more
             log.warning("%s on %s: not offered to the fleet: %s", uri, wanted[1], error)
             self._withdraw(wanted, entry)
@@ -225,11 +226,11 @@ class DeviceTier:
     def _withdraw(self, wanted: tuple[str, str], entry: DeviceEntry) -> None:
         if entry.offered_at is None or self.offers is None:
             return
-        try:
-            self.offers.withdraw(*wanted)
-        except Exception as error:  # noqa: BLE001 - its keys go with this node's lease; the memory goes now
-            log.warning("the fleet's offer of %s on %s not withdrawn: %s", *wanted, error)
         with vmm.on_device(self._index[wanted[1]]):
+            try:
+                self.offers.withdraw(*wanted)
+            except Exception as error:  # noqa: BLE001 - its keys go with this node's lease; the memory goes now
+                log.warning("the fleet's offer of %s on %s not withdrawn: %s", *wanted, error)
             vmm.unmap_allocation(entry.offered_at, entry.copy.allocation_bytes)
         entry.offered_at = None
 
