@@ -318,6 +318,7 @@ def test_an_s3_checksum_catches_a_peer_lying_about_a_piece(s3_endpoint, tmp_path
                     counts = stats(honest.socket)["fleet"]["entries"][entry]
                     assert (counts["entries_refetched"], counts["bytes_from_peers"]) == (1, len(data)), counts
                     assert "not the origin's checksum" in honest.log(), honest.log()[-2000:]
+                    assert f"{entry} piece {piece}'s digest corrected to the origin's" in honest.log()
     finally:
         for place in places:
             remove(*place)

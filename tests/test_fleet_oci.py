@@ -100,9 +100,11 @@ def test_daemons_loading_at_once_read_the_weights_blob_about_once(registry, tmp_
 
 def test_a_peer_lying_about_a_piece_is_caught_by_the_blob_digest(registry, tmp_path: Path):
     """A member of the fleet serves a changed piece under a digest it wrote itself: the piece passes its own check,
-    the blob's digest fails, and the late node reads the file from the registry instead (counted, logged)."""
+    the blob's digest fails, and the late node reads the file from the registry instead (counted, logged), then
+    offers the registry's bytes and corrects the lying digest: a node joining after the liar left reads them all from
+    it."""
     uri, state, digest, size = pushed(registry, tmp_path, "lying", seed=32)
-    with fleet_daemons(tmp_path, "/oci-lying", 2) as (etcd, (liar, honest)):
+    with fleet_daemons(tmp_path, "/oci-lying", 3) as (etcd, (liar, honest, joiner)):
         assert_same(weightstream.load_weights(uri, cache=str(liar.socket)), state)
         (entry,) = [item for item in request(liar.socket, {"op": "ls"})["entries"] if item["size"] == size]
         segment = liar.directory / f"{entry['key']}.seg"
@@ -131,3 +133,12 @@ def test_a_peer_lying_about_a_piece_is_caught_by_the_blob_digest(registry, tmp_p
         assert size <= again < 1.01 * size, f"{again} bytes read from the registry again, not the file's {size}"
         assert f"{digest}: the bytes held for it hash to sha256:" in honest.log(), honest.log()[-2000:]
         assert "some came from peers" in honest.log()
+        assert gateway.get(f"/oci-lying/complete/{entry['key']}/node1") is not None, "not offered again"
+        assert gateway.get(f"/oci-lying/digests/{entry['key']}/{piece}") != lie.encode(), "the lie still stands"
+        assert f"piece {piece}'s digest corrected" in honest.log()
+        liar.stop()  # its offers go with its lease
+        after = blob_bytes(registry, digest)
+        assert_same(weightstream.load_weights(uri, cache=str(joiner.socket)), state)
+        joined = stats(joiner.socket)["fleet"]["entries"][entry["key"]]
+        assert (joined["bytes_from_peers"], joined["entries_refetched"]) == (size, 0), joined
+        assert blob_bytes(registry, digest) - after < 0.01 * size, "the joiner read the weights from the registry"

@@ -34,7 +34,6 @@ from weightstream.errors import (
     CacheError,
     CacheUnavailableError,
     FormatError,
-    IntegrityError,
     logger,
     redact,
 )
@@ -44,7 +43,7 @@ from weightstream.nodecache.daemon.limits import MEMORY_RESERVE_BYTES, cgroup_ro
 from weightstream.nodecache.daemon.references import references
 from weightstream.nodecache.protocol import HEAD_BYTES, KEY, head_digest
 from weightstream.sources import REMOTE_SCHEMES
-from weightstream.sources.base import CheckedWhole, KnownDigest, Source
+from weightstream.sources.base import CheckedWhole, Source
 from weightstream.sources.local.file import DIRECT_ALIGNMENT
 from weightstream.sources.local.raw_mapping import advise, map_file, unmap
 
@@ -222,13 +221,9 @@ class SegmentStore:
                 from_fleet = bool(source.size) and remote and fleet.fill(key, source, fd, threads, cancel, gpu)  # type: ignore[union-attr]
                 if source.size and not from_fleet:
                     self._read_origin(source, fd, threads, cancel)
-                refetched = from_fleet and not _held_bytes_check(source, fd)  # what the origin says of the whole
-                if refetched:
-                    fleet.refetched(key, source.size)  # type: ignore[union-attr]
-                    self._read_origin(source, fd, threads, cancel)
                 if not isinstance(source, CheckedWhole):
                     source.verify_unchanged()
-                elif refetched or not from_fleet:
+                elif not from_fleet:  # a fleet's fill checked the bytes it holds against the whole already
                     source.verify_whole()  # only bytes of a blob checked whole are ever published
                 head = head_digest(os.pread(fd, min(source.size, HEAD_BYTES), 0)) if source.size else head_digest(b"")
                 os.fchmod(fd, 0o444)
@@ -345,31 +340,6 @@ class SegmentStore:
             return None
         segment.last_used = os.stat(path).st_mtime
         return segment
-
-
-def _held_bytes_check(source: Source, fd: int) -> bool:
-    """Whether the file ``fd``, filled by a fleet, matches what the origin says of the whole (an OCI blob's digest,
-    an S3 object's SHA-256 checksum; True where it says nothing); False, logged, where it does not: a peer served
-    bytes that matched the digest a fleet member published for them, not the origin's."""
-    if not isinstance(source, CheckedWhole) and not (isinstance(source, KnownDigest) and source.whole_sha256):
-        return True
-    size = os.fstat(fd).st_size
-    with contextlib.closing(mmap.mmap(fd, size, prot=mmap.PROT_READ)) as mapping:
-        held = memoryview(mapping)
-        try:
-            if isinstance(source, CheckedWhole):
-                source.verify_whole(held)
-            elif (actual := hashlib.sha256(held).hexdigest()) != source.whole_sha256:  # type: ignore[union-attr]
-                raise IntegrityError(
-                    f"{source.uri}: the bytes held for it hash to sha256:{actual}, not the origin's checksum "
-                    f"sha256:{source.whole_sha256} (some came from peers of the node cache's fleet)"  # type: ignore[union-attr]
-                )
-            return True
-        except IntegrityError as error:
-            log.warning("%s: reading the whole file from the origin again", error)
-            return False
-        finally:
-            held.release()
 
 
 def _read_whole(

@@ -227,6 +227,28 @@ class FleetFill:
                 found[int(piece)] = value.decode()
         return found
 
+    def correct_digests(self, entry: str, address: int, size: int) -> int:
+        """Publish the digest of each piece of ``entry`` as held at ``address`` (``size`` bytes, checked against the
+        origin's own digest of the whole: they are the origin's) where the fleet's differs; how many differed. A
+        digest a member published for bytes that were not the origin's would otherwise fail every later fetch of
+        that piece, and the origin's own bytes too.
+
+        Raises:
+            FleetUnavailableError: etcd does not answer.
+        """
+        piece_bytes = self.agreed_plan(entry)
+        if piece_bytes is None:
+            return 0
+        published, corrected = self.digests(entry), 0
+        for piece, offset in enumerate(range(0, size, piece_bytes)):
+            sha256 = hashlib.sha256(memory_at(address + offset, min(piece_bytes, size - offset))).hexdigest()
+            if published.get(piece) not in (None, sha256):
+                log.warning("%s piece %d's digest corrected to the origin's: %s... was published", entry, piece,
+                            str(published[piece])[:16])  # fmt: skip
+                self.etcd.put(self.key("digests", entry, str(piece)), sha256.encode())
+                corrected += 1
+        return corrected
+
     def key(self, kind: str, entry: str, name: str = "") -> str:
         """The fleet's key of ``kind`` for ``entry`` (and ``name``: a node, a piece)."""
         return f"{self.prefix}{kind}/{entry}" + (f"/{name}" if name else "")

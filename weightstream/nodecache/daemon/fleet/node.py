@@ -11,21 +11,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import mmap
 import os
 import ssl
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 
-from weightstream.errors import CacheConfigError, FleetUnavailableError, logger
+from weightstream.errors import CacheConfigError, FleetUnavailableError, IntegrityError, logger
 from weightstream.nodecache.daemon.fleet.devices import DeviceCopies, PeerDevices
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
-from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill
+from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill, ReadOrigin
 from weightstream.nodecache.daemon.fleet.membership import Membership
+from weightstream.nodecache.daemon.fleet.origin_digest import check_held
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, memory_at, nixl
 from weightstream.nodecache.daemon.segments import FILL_CHUNK_BYTES, Segment, read_piece
 from weightstream.sources import REMOTE_SCHEMES
 from weightstream.sources.base import Source
+from weightstream.sources.local.raw_mapping import map_file, unmap
 
 log = logger(__name__)
 
@@ -145,8 +148,14 @@ class FleetNode:
     ) -> bool:
         """Fill the file ``fd`` with ``source``'s bytes with the fleet's help (sizing it first), for a client that
         wants its copy on GPU ``gpu`` where one is named (read from a peer's device copy where one serves it, this
-        node's device copy made on the way); False where etcd went away (logged and counted): the caller then reads
-        the whole file from the origin as it would alone."""
+        node's device copy made on the way), then checked whole against the origin's digest where it has one (see
+        :meth:`_check_whole`); False where etcd went away (logged and counted): the caller then reads the whole
+        file from the origin as it would alone.
+
+        Raises:
+            SourceChangedError, SourceError: as the origin's reads raise them.
+            IntegrityError: the origin's own bytes do not match its digest.
+        """
 
         def read_origin(offset: int, nbytes: int, into: int) -> None:
             view = memory_at(into, nbytes)
@@ -172,15 +181,37 @@ class FleetNode:
             self._count("fills_without_fleet", 1)
             return False
         self._add(key, dataclasses.asdict(stats))
+        self._check_whole(key, source, fd, read_origin)
         return True
 
-    def refetched(self, key: str, nbytes: int) -> None:
-        """Count entry ``key``, filled by the fleet and found not to match the origin's digest, read again from the
-        origin (``nbytes``); a device copy made from peers on the way goes (the tier makes it again from the
-        segment)."""
-        if self.devices is not None:
-            self.devices.copies.drop(key)
-        self._add(key, {"entries_refetched": 1, "bytes_refetched": nbytes})
+    def _check_whole(self, key: str, source: Source, fd: int, read_origin: ReadOrigin) -> None:
+        """Check the bytes the fleet filled into ``fd`` against what the origin says of the whole file (an OCI
+        blob's digest, an S3 checksum). Where they are not the origin's, a peer served bytes matching digests a
+        member of the fleet published: the node stops offering them (its device copies made from peers go too),
+        reads the whole file from the origin, checks it again, corrects the fleet's piece digests that differ from
+        its bytes (now the origin's) and offers it again (logged and counted).
+
+        Raises:
+            IntegrityError: the origin's own bytes do not match what it says of them.
+        """
+        try:
+            check_held(source, fd)
+            return
+        except IntegrityError as error:
+            log.warning("%s: filled by the fleet, read from the origin again", error)
+        self.evicted(key)
+        self._add(key, {"entries_refetched": 1, "bytes_refetched": source.size})
+        address = map_file(fd, source.size, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            read_origin(0, source.size, address)
+            check_held(source, fd)
+            try:
+                self._fill.correct_digests(key, address, source.size)
+                self._fill.offer(key, fd, source.size)
+            except FleetUnavailableError as error:
+                log.warning("fleet: %s read again from the origin, not offered (%s)", source.uri, error)
+        finally:
+            unmap(address, source.size)
 
     def _add(self, key: str, counts: dict[str, int]) -> None:
         """Add ``counts`` to this node's totals and to entry ``key``'s."""
