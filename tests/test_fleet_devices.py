@@ -15,9 +15,11 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="the fleet's data plane needs NIXL (pip install 'weightstream[fleet]')")
 
 from tests.etcd_server import etcd_server
+from tests.fleet_node import GPU
 from tests.rangeserver import RangeServer
 from tests.test_fleet_fill import Node
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
+from weightstream.nodecache.daemon.fleet.node import describe_fleet, parse_fleet
 
 MIB = 1 << 20
 
@@ -52,6 +54,10 @@ def test_a_device_copy_is_read_from_a_peers_copy_and_checked_piece_by_piece(etcd
         assert server.ranged_bytes() == before, "the device fill read from the origin"
         served = EtcdGateway([etcd]).get_prefix("/devices/served/holder/")
         assert list(served.values()) == [str(len(data)).encode()], "the holder's served bytes were not reported"
+        (entry,) = [key.split("/")[-2] for key in served]  # served/HOLDER/ENTRY/READER
+        fleet = describe_fleet(parse_fleet([etcd.replace("http://", "etcd://") + "/devices"]))
+        assert fleet["nodes"]["holder"]["devices"] == [f"{entry} {GPU}"], fleet
+        assert fleet["nodes"]["reader"]["complete"] == [entry], "the reader's segment was not offered"
         reader.leave()
     finally:
         holder.leave()
