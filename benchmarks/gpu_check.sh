@@ -2,7 +2,8 @@
 # The GPU check (benchmarks/gpu_check.py says what each step proves).
 #
 # Here (a machine with PyPI), once:   benchmarks/gpu_check.sh prepare
-#   downloads the peers' wheels for the device image's Python 3.12 into .whl/ (git-ignored).
+#   downloads the peers' wheels for the device image's Python 3.12 into .whl/ (git-ignored), with NIXL's and
+#   Debian's etcd-server for the fleet-gpu step (47 MiB in all: under the device tool's 64 MiB with the tree).
 # On the lent GPU machine (device tool: carry [".whl"], timeout_s 560):   benchmarks/gpu_check.sh run
 #   runs every step under its own limit (480 s in all, `benchmarks/gpu_check.sh --list`); results in $OUT.
 # Without a GPU:   benchmarks/gpu_check.sh run --dry-run   (every step's non-GPU part, and the summary)
@@ -22,6 +23,8 @@ prepare() {
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 -d /tmp/gpu-check-nixl "$NIXL" &&
         python3 benchmarks/gpu_check.py slim-wheel /tmp/gpu-check-nixl/nixl_cu12-*.whl .whl nixl_ep_cu12/
+    # etcd for the same step (tests/etcd_server.py unpacks it from here: the GPU machine has no network).
+    (cd .whl && apt-get download etcd-server)
     ls -la .whl && du -sh .whl
 }
 

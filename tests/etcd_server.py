@@ -1,5 +1,6 @@
-"""A real etcd for the fleet tests: Debian's ``etcd-server`` (3.4), fetched with ``apt-get download`` and unpacked
-into ``~/.cache/weightstream`` on first use, started on loopback ports of its own."""
+"""A real etcd for the fleet tests: Debian's ``etcd-server`` (3.4), fetched with ``apt-get download`` (or found in
+``.whl/``, where ``benchmarks/gpu_check.sh prepare`` puts it for a machine without a network) and unpacked into
+``~/.cache/weightstream`` on first use, started on loopback ports of its own."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tests.netns import HUB_ADDRESS, Network
 from tests.objstore import _wait_for, free_port, stop, tempfile_directory
 
 PACKAGE = "etcd-server"
+CARRIED = Path(__file__).resolve().parents[1] / ".whl"
 
 
 def etcd_binary() -> str:
@@ -19,8 +21,11 @@ def etcd_binary() -> str:
     binary = prefix / "usr" / "bin" / "etcd"
     if not binary.exists():
         with tempfile_directory() as scratch:
-            subprocess.run(["apt-get", "download", PACKAGE], cwd=scratch, check=True, capture_output=True, timeout=300)
-            (package,) = Path(scratch).glob(f"{PACKAGE}_*.deb")
+            carried = sorted(CARRIED.glob(f"{PACKAGE}_*.deb"))
+            if not carried:
+                download = ["apt-get", "download", PACKAGE]
+                subprocess.run(download, cwd=scratch, check=True, capture_output=True, timeout=300)
+            (package,) = carried or Path(scratch).glob(f"{PACKAGE}_*.deb")
             subprocess.run(["dpkg", "-x", str(package), str(prefix)], check=True, capture_output=True, timeout=300)
     return str(binary)
 
