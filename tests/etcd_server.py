@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import ssl
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,16 +32,63 @@ def etcd_binary() -> str:
     return str(binary)
 
 
+@dataclasses.dataclass(frozen=True)
+class Certificates:
+    """A CA of a test's own, a certificate for etcd on 127.0.0.1 signed by it, and one for a fleet's node (PEM)."""
+
+    ca: Path
+    server: Path
+    server_key: Path
+    node: Path
+    node_key: Path
+
+    def context(self) -> ssl.SSLContext:
+        """What a node of the fleet trusts and shows."""
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.load_cert_chain(str(self.node), str(self.node_key))
+        return context
+
+
+def certificates(directory: Path) -> Certificates:
+    """Make a CA and etcd's and a node's certificates in ``directory`` (``openssl``; valid for a day)."""
+
+    def openssl(*arguments: str) -> None:
+        subprocess.run(["openssl", *arguments], cwd=directory, check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+            "-subj", "/CN=weightstream test CA", "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
+    for name, usage in (("server", "serverAuth,clientAuth"), ("node", "clientAuth")):
+        extensions = directory / f"{name}.ext"
+        # etcd's JSON gateway reaches its own gRPC server with the server's certificate: it is a client too.
+        extensions.write_text(
+            f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\nkeyUsage=critical,digitalSignature,"
+            "keyEncipherment\nauthorityKeyIdentifier=keyid\nbasicConstraints=CA:FALSE\n"
+        )
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN=weightstream test {name}")  # fmt: skip
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.pem", "-days", "1", "-extfile", str(extensions))  # fmt: skip
+    return Certificates(*(directory / name for name in ("ca.pem", "server.pem", "server.key", "node.pem", "node.key")))
+
+
 @contextlib.contextmanager
-def etcd_server(directory: Path, network: Network | None = None) -> Iterator[str]:
+def etcd_server(
+    directory: Path, network: Network | None = None, certificates: Certificates | None = None
+) -> Iterator[str]:
     """etcd with its data in ``directory``; yields its client URL (``http://127.0.0.1:PORT``, or on ``network``'s hub
-    when one is given: ``http://10.213.0.1:2379``, reachable from its machines only)."""
+    when one is given: ``http://10.213.0.1:2379``, reachable from its machines only). With ``certificates``:
+    ``https://127.0.0.1:PORT``, answering only clients with a certificate its CA signed."""
     if network is None:
         host, client, peer, wrap, inside = "127.0.0.1", free_port(), free_port(), [], contextlib.nullcontext()
     else:
         host, client, peer, inside = HUB_ADDRESS, 2379, 2380, network.inside()
         wrap = ["ip", "netns", "exec", network.hub]
-    url = f"http://{host}:{client}"
+    url = f"{'http' if certificates is None else 'https'}://{host}:{client}"
+    tls = []
+    if certificates is not None:
+        tls = ["--cert-file", str(certificates.server), "--key-file", str(certificates.server_key),
+               "--trusted-ca-file", str(certificates.ca), "--client-cert-auth"]  # fmt: skip
     log = directory / "etcd.log"
     with open(log, "w") as output:
         process = subprocess.Popen(
@@ -53,13 +102,14 @@ def etcd_server(directory: Path, network: Network | None = None) -> Iterator[str
                 "--listen-peer-urls", f"http://{host}:{peer}",
                 "--initial-advertise-peer-urls", f"http://{host}:{peer}",
                 "--initial-cluster", f"weightstream-test=http://{host}:{peer}",
+                *tls,
             ],
             stdout=output,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
         with inside:
-            _wait_for(f"{url}/health", process, log)
+            _wait_for(f"{url}/health", process, log, context=certificates and certificates.context())
         yield url
     finally:
         stop(process)

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -25,13 +26,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _wait_for(url: str, process: subprocess.Popen, log: Path, seconds: float = 30) -> None:
+def _wait_for(
+    url: str, process: subprocess.Popen, log: Path, seconds: float = 30, context: ssl.SSLContext | None = None
+) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}: {log.read_text()[-2000:]}")
         try:
-            urllib.request.urlopen(url, timeout=1)
+            urllib.request.urlopen(url, timeout=1, context=context)
             return
         except urllib.error.HTTPError:
             return  # it answers

@@ -25,7 +25,7 @@ import weightstream
 from tests.cache_daemon import Daemon, remove, request, stats
 from tests.cache_daemon import places as cache_places
 from tests.conftest import assert_same
-from tests.etcd_server import etcd_server
+from tests.etcd_server import certificates, etcd_server
 from tests.rangeserver import RangeServer
 from weightstream.bench.demo import LlamaShape, llama_state_dict
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
@@ -161,6 +161,50 @@ def test_a_fleet_without_etcd_is_refused_at_start(tmp_path: Path):
         assert bad.returncode == 1 and "not etcd://HOST:PORT[/PREFIX]" in bad.stderr
     finally:
         remove(directory, socket_path)
+
+
+def test_a_fleet_on_etcd_over_tls_takes_only_nodes_with_a_certificate(tmp_path: Path):
+    """etcd answering only clients whose certificate its CA signed (``--client-cert-auth``): a daemon with the CA and
+    a node's certificate joins (``etcds://``, ``--fleet-ca``, ``--fleet-cert``, ``--fleet-key``) and fills through
+    it, and ``cache fleet`` lists it; one without a certificate, or trusting only the system's CAs, is refused at
+    start with the TLS failure."""
+    state, size = origin_file(tmp_path, 256, 14)
+    tls = certificates(tmp_path)
+    place = cache_places("fleettls")
+    try:
+        with etcd_server(tmp_path, certificates=tls) as etcd, RangeServer(tmp_path / "origin") as origin:
+            fleet = etcd.replace("https://", "etcds://") + "/tls"
+            credentials = ["--fleet-ca", str(tls.ca), "--fleet-cert", str(tls.node), "--fleet-key", str(tls.node_key)]
+            with Daemon(*place, "--fleet", fleet, "--fleet-node", "secure", *credentials) as daemon:
+                url = f"{origin.url}/model.safetensors"
+                assert_same(weightstream.load_weights(url, cache=str(daemon.socket)), state)
+                assert stats(daemon.socket)["fleet"]["bytes_from_origin"] == size
+                listed = subprocess.run(
+                    [sys.executable, "-m", "weightstream.cli", "cache", "fleet", "--fleet", fleet, *credentials,
+                     "--json"],
+                    capture_output=True, text=True, timeout=60, check=True, cwd=ROOT,
+                )  # fmt: skip
+                nodes = json.loads(listed.stdout)["nodes"]
+                assert list(nodes) == ["secure"] and len(nodes["secure"]["complete"]) == 1, nodes
+            refusals = (
+                (
+                    credentials[:2],
+                    ("ALERT_BAD_CERTIFICATE", "ALERT_CERTIFICATE_REQUIRED"),
+                ),  # etcd's alert: TLS 1.2, 1.3
+                ([], ("CERTIFICATE_VERIFY_FAILED",)),
+            )
+            for given, why in refusals:
+                refused = subprocess.run(
+                    [sys.executable, "-m", "weightstream.cli", "cache", "serve", "--dir", str(place[0]), "--socket",
+                     str(place[1]), "--fleet", fleet, *given],
+                    capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+                )  # fmt: skip
+                assert refused.returncode == 1, refused.stderr
+                assert refused.stderr.startswith("weightstream: error: no etcd endpoint answered /v3/lease/grant: ")
+                assert any(alert in refused.stderr for alert in why), refused.stderr
+                assert not place[1].exists()
+    finally:
+        remove(*place)
 
 
 def test_etcd_lost_during_a_fill_finishes_it_from_the_origin(tmp_path: Path):
