@@ -74,13 +74,23 @@ def certificates(directory: Path) -> Certificates:
 
 @contextlib.contextmanager
 def etcd_server(
-    directory: Path, network: Network | None = None, certificates: Certificates | None = None
+    directory: Path,
+    network: Network | None = None,
+    certificates: Certificates | None = None,
+    client_port: int | None = None,
 ) -> Iterator[str]:
     """etcd with its data in ``directory``; yields its client URL (``http://127.0.0.1:PORT``, or on ``network``'s hub
     when one is given: ``http://10.213.0.1:2379``, reachable from its machines only). With ``certificates``:
-    ``https://127.0.0.1:PORT``, answering only clients with a certificate its CA signed."""
+    ``https://127.0.0.1:PORT``, answering only clients with a certificate its CA signed. ``client_port``: that port
+    (an etcd started again where an earlier one was)."""
     if network is None:
-        host, client, peer, wrap, inside = "127.0.0.1", free_port(), free_port(), [], contextlib.nullcontext()
+        host, client, peer, wrap, inside = (
+            "127.0.0.1",
+            client_port or free_port(),
+            free_port(),
+            [],
+            contextlib.nullcontext(),
+        )
     else:
         host, client, peer, inside = HUB_ADDRESS, 2379, 2380, network.inside()
         wrap = ["ip", "netns", "exec", network.hub]

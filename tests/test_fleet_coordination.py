@@ -1,10 +1,13 @@
 """The fleet's coordination through a real etcd (Debian's 3.4, started by the tests): nodes under leases, one claim
 per piece among racing processes, a dead node's claims gone with its lease, a live node's kept past it, two fleets
-on one etcd never mixed, and etcd out of reach a typed error."""
+on one etcd never mixed, etcd out of reach a typed error, and the gateway's kept connection replaced when etcd
+restarts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -132,3 +135,41 @@ def test_the_gateway_answers_to_something_else_are_refused(tmp_path: Path):
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+def connections_to(port: int) -> list[str]:
+    """The TCP states of this process's sockets connected to ``port`` on this machine (``01``: established)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    states = []
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].split(":")[1], 16) == port and fields[9] in inodes:
+            states.append(fields[3])
+    return states
+
+
+def test_calls_share_one_connection_and_a_restarted_etcd_is_reached_on_a_new_one(tmp_path: Path):
+    """Calls one after another go over one kept connection (over TLS a new one costs a handshake on both sides);
+    when etcd restarts, the kept one is dead and the next call goes on a new one, the dead one closed; ``close``
+    closes what is kept."""
+    from tests.objstore import free_port
+
+    port = free_port()
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    with etcd_server(tmp_path / "first", client_port=port) as url:
+        gateway = EtcdGateway([url])
+        for number in range(20):
+            gateway.put(f"/kept/{number}", b"x")
+        assert len(gateway.get_prefix("/kept/")) == 20
+        assert connections_to(port) == ["01"], "not one connection for calls one after another"
+    with etcd_server(tmp_path / "second", client_port=port):
+        assert gateway.get_prefix("/kept/") == {}, "not the new etcd's (empty) answer"
+        assert connections_to(port) == ["01"], "the dead connection was not closed"
+        gateway.close()
+        assert connections_to(port) == []

@@ -85,7 +85,11 @@ def describe_fleet(address: FleetAddress, tls: ssl.SSLContext | None = None) -> 
     Raises:
         FleetUnavailableError: etcd does not answer.
     """
-    etcd = EtcdGateway(address.endpoints, tls)
+    with EtcdGateway(address.endpoints, tls) as etcd:
+        return _described(etcd, address)
+
+
+def _described(etcd: EtcdGateway, address: FleetAddress) -> dict[str, object]:
     prefix = address.prefix.rstrip("/") + "/"
     nodes = {
         key.removeprefix(prefix + "nodes/"): {"complete": [], "filling": [], "devices": []}
@@ -272,6 +276,7 @@ class FleetNode:
         """Leave the fleet (the lease revoked: every claim and offer of this node goes with it)."""
         self.membership.close()
         self.server.close()
+        self.membership.etcd.close()
 
     def _count(self, name: str, value: int) -> None:
         with self._lock:
