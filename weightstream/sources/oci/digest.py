@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Callable
 
 from weightstream.errors import IntegrityError
 
@@ -13,6 +14,8 @@ REORDER_BYTES = 512 << 20
 """Pieces of one blob held aside, copied, until the hash reaches them; beyond this the blob is not checked in line."""
 WAIT_FOR_TURN_S = 0.5
 """How long a reader whose piece is ahead of the hash waits for its turn before copying the piece aside."""
+WHOLE_CHECK_CHUNK_BYTES = 8 << 20
+"""The reads a check of a whole blob makes of its parts not held (``OciSource.verify_whole``)."""
 
 
 class BlobHash:
@@ -132,3 +135,31 @@ class BlobHash:
                 f"{self.what}: blob {self.digest} hashes to {actual} (corrupted in the registry)"
             )
             raise self.failure
+
+
+def held_blob_digest(held: memoryview, offset: int, blob_size: int, fetch: Callable[[int, memoryview], None]) -> str:
+    """The digest (``sha256:...``) of a blob of ``blob_size`` bytes whose bytes ``offset..offset+len(held)`` are
+    ``held`` (a file of the blob as a node cache holds it) and the rest read by ``fetch(at, into)`` (from the
+    registry), hashed in blob order.
+
+    Example:
+        >>> blob = b"header" + b"weights" + b"tail"
+        >>> def fetch(at, into): into[:] = blob[at : at + len(into)]
+        >>> held_blob_digest(memoryview(b"weights"), 6, len(blob), fetch)[7:] == hashlib.sha256(blob).hexdigest()
+        True
+    """
+    digest = hashlib.sha256()
+    start, end = offset, offset + len(held)
+    for at in range(0, blob_size, WHOLE_CHECK_CHUNK_BYTES):
+        stop = min(at + WHOLE_CHECK_CHUNK_BYTES, blob_size)
+        for low, high, mine in ((at, min(stop, start), False), (max(at, start), min(stop, end), True),
+                                (max(at, end), stop, False)):  # fmt: skip
+            if low >= high:
+                continue
+            if mine:
+                digest.update(held[low - start : high - start])
+            else:
+                outside = memoryview(bytearray(high - low))
+                fetch(low, outside)
+                digest.update(outside)
+    return "sha256:" + digest.hexdigest()

@@ -42,7 +42,7 @@ from weightstream.formats import oci
 from weightstream.sources.http.transport import RangeTarget
 from weightstream.sources.objects.versioned import RemoteStore, known_options
 from weightstream.sources.oci.auth import Exchange, RegistryAuth
-from weightstream.sources.oci.digest import BlobHash
+from weightstream.sources.oci.digest import WHOLE_CHECK_CHUNK_BYTES, BlobHash, held_blob_digest
 from weightstream.sources.retry import RetryPolicy
 
 log = logger(__name__)
@@ -52,8 +52,6 @@ STORAGE_OPTIONS = ("username", "password", "anonymous", "insecure")
 either), and ``insecure`` (plain HTTP)."""
 MAX_REDIRECTS = 5
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
-WHOLE_CHECK_CHUNK_BYTES = 8 << 20
-"""The reads :meth:`OciSource.verify_whole` makes of a blob's unread parts."""
 GAP_FILL_BYTES = 4 << 20
 """Unread bytes of a blob (tar headers, padding) read when its file closes, so that it can be checked."""
 
@@ -385,21 +383,7 @@ class OciSource:
         """Hash the blob in order from ``held`` (this file's bytes) and the origin (the rest of its blob)."""
         if len(held) != self.size:
             raise ValueError(f"{self.uri}: {len(held)} bytes held, not its {self.size}")
-        digest = hashlib.sha256()
-        start, end = self.file.offset, self.file.offset + self.size
-        for at in range(0, self.file.blob_size, WHOLE_CHECK_CHUNK_BYTES):
-            stop = min(at + WHOLE_CHECK_CHUNK_BYTES, self.file.blob_size)
-            for low, high, mine in ((at, min(stop, start), False), (max(at, start), min(stop, end), True),
-                                    (max(at, end), stop, False)):  # fmt: skip
-                if low >= high:
-                    continue
-                if mine:
-                    digest.update(held[low - start : high - start])
-                else:
-                    outside = memoryview(bytearray(high - low))
-                    self._fetch_blob(low, outside)
-                    digest.update(outside)
-        actual = "sha256:" + digest.hexdigest()
+        actual = held_blob_digest(held, self.file.offset, self.file.blob_size, self._fetch_blob)
         if actual != self.file.digest:
             raise IntegrityError(
                 f"{self.uri}: blob {self.file.digest}: the bytes held for it hash to {actual} (some came from peers "
