@@ -7,36 +7,20 @@ published sends the fill the host way, counted, and the node still ends with the
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("nixl_cu12", reason="the fleet's data plane needs NIXL (pip install 'weightstream[fleet]')")
 
-from tests.etcd_server import etcd_server
+from tests import test_fleet_fill
 from tests.fleet_node import GPU
-from tests.rangeserver import RangeServer
 from tests.test_fleet_fill import Node
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 from weightstream.nodecache.daemon.fleet.node import describe_fleet, parse_fleet
 
-MIB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory) -> str:
-    with etcd_server(tmp_path_factory.mktemp("etcd")) as url:
-        yield url
-
-
-@pytest.fixture
-def origin(tmp_path: Path):
-    data = os.urandom(MIB) * 40 + os.urandom(8 * MIB)  # 48 MiB: six pieces
-    (tmp_path / "origin").mkdir()
-    (tmp_path / "origin" / "model.safetensors").write_bytes(data)
-    with RangeServer(tmp_path / "origin") as server:
-        yield server, f"{server.url}/model.safetensors", data
+etcd, origin = test_fleet_fill.etcd, test_fleet_fill.origin
+"""test_fleet_fill's fixtures: one etcd for the module, an HTTP origin of 48 MiB (six pieces) per test."""
 
 
 def test_a_device_copy_is_read_from_a_peers_copy_and_checked_piece_by_piece(etcd: str, origin, tmp_path: Path):
