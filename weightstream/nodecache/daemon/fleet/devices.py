@@ -39,7 +39,7 @@ from weightstream.errors import (
     FleetUnavailableError,
     logger,
 )
-from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill
+from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill, piece_spans
 from weightstream.nodecache.daemon.fleet.transfer import memory_at
 from weightstream.sources.local.raw_mapping import map_file, unmap
 
@@ -205,13 +205,11 @@ class PeerDevices:
         except FleetUnavailableError as error:
             log.warning("fleet: %s: digests not read (%s)", entry, error)
             return None
-        if not piece_bytes or any(piece not in digests for piece in range(-(-size // piece_bytes))):
+        spans = piece_spans(size, piece_bytes) if piece_bytes else []
+        if not spans or any(piece not in digests for piece in range(len(spans))):
             log.info("fleet: %s has no digest for every piece: not read from a peer's device copy", entry)
             return None
-        return [
-            (offset, min(piece_bytes, size - offset), digests[offset // piece_bytes])
-            for offset in range(0, size, piece_bytes)
-        ]
+        return [(offset, nbytes, digests[piece]) for piece, (offset, nbytes) in enumerate(spans)]
 
     def _offer_again(self, lease: int) -> None:
         with self._lock:

@@ -99,6 +99,21 @@ def piece_size(size: int) -> int:
     return min(PIECE_BYTES, max(MIN_PIECE_BYTES, -(-wanted >> 20) << 20))
 
 
+def piece_spans(size: int, piece_bytes: int) -> list[tuple[int, int]]:
+    """Each piece of a ``size``-byte file cut into ``piece_bytes``, in order: its offset and length.
+
+    Example:
+        >>> piece_spans(20 << 20, 8 << 20)
+        [(0, 8388608), (8388608, 8388608), (16777216, 4194304)]
+    """
+    return [(offset, min(piece_bytes, size - offset)) for offset in range(0, size, piece_bytes)]
+
+
+def _piece_bytes(agreed: bytes) -> int | None:
+    """The piece size the fleet's plan holds; None where it holds no sensible one."""
+    return int(agreed) if agreed.isdigit() and MIN_PIECE_BYTES // 8 <= int(agreed) <= 1 << 30 else None
+
+
 class FleetFill:
     """Fills entries with the fleet this node is a member of (``membership``), reading pieces from peers with
     ``fetcher`` and offering its own with ``server``."""
@@ -208,14 +223,15 @@ class FleetFill:
         """
         proposed = self.piece_bytes or piece_size(size)
         _, agreed = self.etcd.create(self.key("plan", entry), str(proposed).encode())
-        if not agreed.isdigit() or not MIN_PIECE_BYTES // 8 <= int(agreed) <= 1 << 30:
+        piece_bytes = _piece_bytes(agreed)
+        if piece_bytes is None:
             raise FleetUnavailableError(f"the fleet's plan for {entry} says pieces of {agreed[:40]!r} bytes")
-        return int(agreed)
+        return piece_bytes
 
     def agreed_plan(self, entry: str) -> int | None:
         """The piece size the fleet agreed for ``entry``; None where none was (or what is there is not one)."""
         agreed = self.etcd.get(self.key("plan", entry))
-        return int(agreed) if agreed is not None and agreed.isdigit() and int(agreed) > 0 else None
+        return None if agreed is None else _piece_bytes(agreed)
 
     def digests(self, entry: str) -> dict[int, str]:
         """Every published piece digest of ``entry``, by piece (one range request, not one per piece)."""
@@ -240,8 +256,8 @@ class FleetFill:
         if piece_bytes is None:
             return 0
         published, corrected = self.digests(entry), 0
-        for piece, offset in enumerate(range(0, size, piece_bytes)):
-            sha256 = hashlib.sha256(memory_at(address + offset, min(piece_bytes, size - offset))).hexdigest()
+        for piece, (offset, nbytes) in enumerate(piece_spans(size, piece_bytes)):
+            sha256 = hashlib.sha256(memory_at(address + offset, nbytes)).hexdigest()
             if published.get(piece) not in (None, sha256):
                 log.warning("%s piece %d's digest corrected to the origin's: %s... was published", entry, piece,
                             str(published[piece])[:16])  # fmt: skip
@@ -260,8 +276,8 @@ class _EntryFill:
     node claims read from the origin ``ORIGIN_PIECES`` at a time, both at once."""
 
     def __init__(self, fleet: FleetFill, entry: str, address: int, size: int, read_origin: ReadOrigin) -> None:
-        self.fleet, self.entry, self.address, self.size, self.read_origin = fleet, entry, address, size, read_origin
-        self.piece_bytes = fleet.plan(entry, size)
+        self.fleet, self.entry, self.address, self.read_origin = fleet, entry, address, read_origin
+        self.spans = piece_spans(size, fleet.plan(entry, size))
         self.claims = Claims(fleet.etcd, fleet.prefix, fleet.node, fleet.membership.lease)
         self.stats = FillStats()
         self.read_from: dict[str, tuple[int, int]] = {}
@@ -270,7 +286,7 @@ class _EntryFill:
         self._waiting_since: dict[int, float] = {}
 
     def run(self) -> FillStats:
-        pending = set(range(-(-self.size // self.piece_bytes)))
+        pending = set(range(len(self.spans)))
         moving: dict[int, concurrent.futures.Future[None]] = {}
         from_origin: set[int] = set()
         peers = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="weightstream-fleet")
@@ -308,10 +324,6 @@ class _EntryFill:
         self._check_failed()  # a node that found the origin changed while this one finished: nothing is published
         return self.stats
 
-    def _span(self, piece: int) -> tuple[int, int]:
-        offset = piece * self.piece_bytes
-        return offset, min(self.piece_bytes, self.size - offset)
-
     def _peer_for(
         self, piece: int, record: dict[str, object] | None, holders: list[str], digests: dict[int, str]
     ) -> tuple[str, str] | None:
@@ -341,7 +353,7 @@ class _EntryFill:
 
     def _read_from_origin(self, piece: int, why: str) -> None:
         """Read ``piece`` from the origin; a claimed piece's digest is published for the others to check it by."""
-        offset, nbytes = self._span(piece)
+        offset, nbytes = self.spans[piece]
         self.read_origin(offset, nbytes, self.address + offset)
         if why == "stalled":
             self._count(pieces_refetched=1, bytes_refetched=nbytes)
@@ -353,7 +365,7 @@ class _EntryFill:
 
     def _fetch(self, piece: int, peer: str, sha256: str) -> None:
         """``piece`` from ``peer``, checked against ``sha256``; from the origin where the peer fails."""
-        offset, nbytes = self._span(piece)
+        offset, nbytes = self.spans[piece]
         offered = self.fleet.etcd.get_held(self.fleet.key("segments", self.entry, peer))
         try:
             if offered is None:
