@@ -29,14 +29,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from weightstream.errors import (
-    CacheConfigError,
-    CacheError,
-    CacheUnavailableError,
-    FormatError,
-    logger,
-    redact,
-)
+from weightstream.errors import CacheConfigError, CacheError, CacheUnavailableError, FormatError, logger, redact
 from weightstream.formats.strict_json import parse_json
 from weightstream.nodecache.daemon.directory import MARKER, is_cache_file
 from weightstream.nodecache.daemon.limits import MEMORY_RESERVE_BYTES, cgroup_room, mem_available, tmpfs_huge_pages

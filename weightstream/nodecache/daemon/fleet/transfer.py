@@ -98,8 +98,8 @@ class PieceServer:
     def __init__(self, node: str) -> None:
         self.node = node
         self._agent = _agent(node)
-        self._published: dict[str, tuple[int | None, int, object]] = {}
-        """Each offer: the address of its mapping where this server made it (else None), its size, its registration."""
+        self._published: dict[str, tuple[int, int, object, bool]] = {}
+        """Each offer: its address, size and registration, and whether this server mapped it (and unmaps it)."""
         self._lock = threading.Lock()
 
     def publish(self, key: str, fd: int, size: int) -> dict[str, object]:
@@ -107,7 +107,7 @@ class PieceServer:
         and the agent metadata a peer loads to reach it (this registration and how to connect, hex)."""
         address = map_file(fd, size, mmap.PROT_READ)
         try:
-            return self._register(key, address, size, "DRAM", 0, address)
+            return self._register(key, address, size, "DRAM", 0, mapped_here=True)
         except BaseException:
             unmap(address, size)
             raise
@@ -115,14 +115,14 @@ class PieceServer:
     def publish_memory(self, key: str, address: int, size: int, memory: str, device: int) -> dict[str, object]:
         """Offer ``size`` bytes at ``address`` as ``key``: memory of kind ``memory`` (``"VRAM"``: device ``device``'s,
         a device copy mapped read-only; ``"DRAM"``), which stays the caller's to unmap after :meth:`withdraw`."""
-        return self._register(key, address, size, memory, device, None)
+        return self._register(key, address, size, memory, device, mapped_here=False)
 
     def _register(
-        self, key: str, address: int, size: int, memory: str, device: int, owned: int | None
+        self, key: str, address: int, size: int, memory: str, device: int, *, mapped_here: bool
     ) -> dict[str, object]:
         registration = self._agent.register_memory([(address, size, device, "")], memory)  # type: ignore[attr-defined]
         with self._lock:
-            self._published[key] = (owned, size, registration)
+            self._published[key] = (address, size, registration, mapped_here)
         metadata = self._agent.get_partial_agent_metadata(registration, True)  # type: ignore[attr-defined]
         return {"address": address, "size": size, "memory": memory, "device": device, "metadata": bytes(metadata).hex()}
 
@@ -131,10 +131,10 @@ class PieceServer:
         with self._lock:
             published = self._published.pop(key, None)
         if published is not None:
-            owned, size, registration = published
+            address, size, registration, mapped_here = published
             self._agent.deregister_memory(registration)  # type: ignore[attr-defined]
-            if owned is not None:
-                unmap(owned, size)
+            if mapped_here:
+                unmap(address, size)
 
     def close(self) -> None:
         for key in list(self._published):
