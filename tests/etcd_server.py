@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import ssl
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,13 +24,22 @@ def etcd_binary() -> str:
     prefix = Path.home() / ".cache" / "weightstream" / PACKAGE
     binary = prefix / "usr" / "bin" / "etcd"
     if not binary.exists():
+        # Test workers start at once: each unpacks into a folder of its own and renames it into place, one wins.
+        prefix.parent.mkdir(parents=True, exist_ok=True)
         with tempfile_directory() as scratch:
             carried = sorted(CARRIED.glob(f"{PACKAGE}_*.deb"))
             if not carried:
                 download = ["apt-get", "download", PACKAGE]
                 subprocess.run(download, cwd=scratch, check=True, capture_output=True, timeout=300)
             (package,) = carried or Path(scratch).glob(f"{PACKAGE}_*.deb")
-            subprocess.run(["dpkg", "-x", str(package), str(prefix)], check=True, capture_output=True, timeout=300)
+            unpacked = Path(tempfile.mkdtemp(prefix=f".{PACKAGE}-", dir=prefix.parent))
+            try:
+                unpack = ["dpkg", "-x", str(package), str(unpacked)]
+                subprocess.run(unpack, check=True, capture_output=True, timeout=300)
+                with contextlib.suppress(OSError):  # another worker's is in place already
+                    unpacked.rename(prefix)
+            finally:
+                shutil.rmtree(unpacked, ignore_errors=True)
     return str(binary)
 
 
