@@ -9,11 +9,13 @@
 - **handed out**: published and pinned while a client's answer is made and sent (its descriptor opened, a device
   copy made). A pinned entry is never evicted, so nothing can disappear between a lookup and the descriptor
   that leaves with the answer.
-- **evicted**: removed (manifest first, then file); its device copies go with it. Only unpinned entries that no
-  process maps or holds open, and that were not handed out since that was checked, are evicted.
+- **leaving**: chosen for eviction (unpinned, no process maps or holds it open, not handed out since that was
+  checked); no longer handed out (a client asking for it waits, then fills it anew), still counted until it is gone.
+- **evicted**: what else holds it told first (its device copies released, the fleet's offer withdrawn from etcd and
+  NIXL), then removed (manifest, then file).
 
-The table is thread-safe: every transition happens under its lock, the fill itself and the ``/proc`` scan for
-references outside it.
+The table is thread-safe: every transition happens under its lock; the fill, the ``/proc`` scan for references and
+the eviction's own work (etcd, CUDA and NIXL calls, unlinking) outside it, so a slow etcd never stalls an attach.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class EntryTable:
         self._fills: dict[str, tuple[concurrent.futures.Future[Segment], int]] = {}
         """Each entry being filled: the fill's future, and the bytes it will hold."""
         self._pins: dict[str, int] = {}
+        self._leaving: dict[str, threading.Event] = {}
+        """Each entry chosen for eviction and not gone yet: set once it is."""
         self._handed_out: dict[str, float] = {}
         """Key -> when it was last handed out (``time.monotonic()``): a scan that started before does not know of
         the client that got it."""
@@ -86,7 +90,8 @@ class EntryTable:
                     raise CacheError(f"no cache entry {key[:40]!r}")
             evicted = [key for key in wanted if self._evictable(key, references, started)]
             for key in evicted:
-                self._evict(key)
+                self._leave(key)
+        self._remove(evicted)
         return evicted, [key for key in wanted if key not in evicted]
 
     def room_for(self, size: int, uri: str) -> None:
@@ -107,6 +112,11 @@ class EntryTable:
 
     def _pin(self, key: str, size: int, uri: str, fill: Callable[[], Segment]) -> tuple[Segment, bool]:
         while True:
+            with self._lock:
+                leaving = self._leaving.get(key)
+            if leaving is not None:
+                leaving.wait()  # being evicted: once gone, filled anew
+                continue
             with self._lock:
                 segment = self.segments.segments.get(key)
                 if segment is not None:
@@ -135,26 +145,52 @@ class EntryTable:
         """Evict least recently used entries until ``size`` more bytes fit (the ``/proc`` scan outside the lock)."""
         started = time.monotonic()
         references = self._references()
-        with self._lock:
-            evictable = sorted(
-                (s for key, s in self.segments.segments.items() if self._evictable(key, references, started)),
-                key=lambda segment: segment.last_used,
-            )
-            while (shortfall := self.segments.shortfall(size + self._filling_bytes())) is not None:
-                if not evictable:
-                    raise CacheFullError(f"{uri}: {size} bytes do not fit the cache: {shortfall}")
-                victim = evictable.pop(0)
-                log.info("evicting %s (%s, %d bytes)", victim.key, victim.uri, victim.size)
-                self._evict(victim.key)
+        victims: list[str] = []
+        try:
+            with self._lock:
+                evictable = sorted(
+                    (s for key, s in self.segments.segments.items() if self._evictable(key, references, started)),
+                    key=lambda segment: segment.last_used,
+                )
+                others = list(self._leaving.values())
+                while shortfall := self.segments.shortfall(size + self._filling_bytes(), self._leaving_bytes()):
+                    if not evictable:
+                        if not victims and not others:
+                            raise CacheFullError(f"{uri}: {size} bytes do not fit the cache: {shortfall}")
+                        break  # room is being made: the caller asks again once it is
+                    victim = evictable.pop(0)
+                    log.info("evicting %s (%s, %d bytes)", victim.key, victim.uri, victim.size)
+                    self._leave(victim.key)
+                    victims.append(victim.key)
+        finally:
+            self._remove(victims)
+        for leaving in others:  # evictions of other threads' free memory this fill counts on
+            leaving.wait()
 
-    def _evict(self, key: str) -> None:
-        """Under the lock: evict ``key`` (an unpinned entry) and forget it."""
-        self.segments.evict(key)
-        self._handed_out.pop(key, None)
+    def _leave(self, key: str) -> None:
+        """Under the lock: ``key`` (an evictable entry) is being evicted: no longer handed out."""
+        self._leaving[key] = threading.Event()
+
+    def _leaving_bytes(self) -> int:
+        """Under the lock: the bytes of entries being evicted."""
+        return sum(self.segments.segments[key].size for key in self._leaving if key in self.segments.segments)
+
+    def _remove(self, keys: list[str]) -> None:
+        """Evict ``keys`` (each leaving), outside the lock: each is gone when this returns, whatever failed."""
+        for key in keys:
+            try:
+                self.segments.evict(key)
+            except Exception:  # a defect of what holds it: logged, the entry is gone all the same
+                log.exception("evicting %s", key)
+            finally:
+                with self._lock:
+                    self._handed_out.pop(key, None)
+                    self._leaving.pop(key).set()
 
     def _evictable(self, key: str, references: dict[str, set[int]], scanned_after: float) -> bool:
         return (
             key not in self._pins
+            and key not in self._leaving
             and not references.get(key)
             and self._handed_out.get(key, float("-inf")) < scanned_after
         )

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from weightstream.nodecache.protocol import KEY
 
 
-def references(directory: str) -> dict[str, set[int]]:
-    """Processes that map (or hold open) each segment in ``directory``: key -> pids.
+def references(directory: str, ignored: frozenset[int] = frozenset()) -> dict[str, set[int]]:
+    """Processes that map (or hold open) each segment in ``directory``, but the ``ignored`` ones: key -> pids.
 
     Example:
         >>> references("/nonexistent-cache-directory")
@@ -19,6 +19,8 @@ def references(directory: str) -> dict[str, set[int]]:
     found: dict[str, set[int]] = {}
     prefix = os.path.join(os.path.realpath(directory), "")
     for pid in _pids():
+        if pid in ignored:
+            continue
         for path in _mapped_and_open(pid, prefix):
             name = os.path.basename(path).removesuffix(" (deleted)")
             if name.endswith(".seg") and KEY.match(name[:-4]):

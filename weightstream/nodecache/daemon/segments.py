@@ -248,17 +248,25 @@ class SegmentStore:
         self.segments[segment.key] = segment
 
     def evict(self, key: str) -> None:
-        """Remove segment ``key``: its manifest first (so it no longer counts), then its file."""
+        """Remove segment ``key``: what else holds it is told first (its device copies and the fleet's offer go),
+        then its manifest (so it no longer counts), then its file."""
+        try:
+            if self._on_evict is not None:
+                self._on_evict(key)
+        finally:
+            self._discard(key)
+
+    def _discard(self, key: str) -> None:
         self.segments.pop(key, None)
         for name in (f"{key}.json", f"{key}.seg"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.directory, name))
-        if self._on_evict is not None:
-            self._on_evict(key)
 
     def references(self) -> dict[str, set[int]]:
-        """Processes that map (or hold open) each segment: key -> pids, read from ``/proc``."""
-        return references(self.directory)
+        """Processes that map (or hold open) each segment: key -> pids, read from ``/proc``. The daemon's own uses
+        (a descriptor being sent, a device copy being made, the fleet's offer) are its own bookkeeping: pins and
+        offers, never references."""
+        return references(self.directory, frozenset({os.getpid()}))
 
     def shortfall(self, size: int, freed: int = 0) -> str | None:
         """Why ``size`` more bytes do not fit now (with ``freed`` bytes of segments evicted first), or None if they
@@ -320,7 +328,7 @@ class SegmentStore:
             status = os.stat(self.path(key))
         except (OSError, FormatError, KeyError, TypeError) as error:
             log.warning("discarding cache entry %s: %s", key, error)
-            self.evict(key)
+            self._discard(key)
             return None
         if (
             record.get("manifest_version") != MANIFEST_VERSION
@@ -329,7 +337,7 @@ class SegmentStore:
             or status.st_mode & 0o222
         ):
             log.warning("discarding cache entry %s: its manifest and file disagree", key)
-            self.evict(key)
+            self._discard(key)
             return None
         segment.last_used = os.stat(path).st_mtime
         return segment

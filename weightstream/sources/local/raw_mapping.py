@@ -17,6 +17,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 MAP_FAILED = ctypes.c_void_p(-1).value
+MAP_FIXED = 0x10
 
 
 def map_file(fd: int, length: int, prot: int, offset: int = 0) -> int:
@@ -45,6 +46,30 @@ def map_file(fd: int, length: int, prot: int, offset: int = 0) -> int:
 def unmap(address: int, length: int) -> None:
     """Undo :func:`map_file`."""
     _libc.munmap(address, length)
+
+
+def blank(address: int, length: int) -> None:
+    """Replace the mapping at ``address`` (``length`` bytes) with read-only zero pages, in one step: a thread (or a
+    NIC's progress thread) still reading there reads zeros, never unmapped memory, and the file's pages are no longer
+    held by this mapping. The caller still unmaps it (:func:`unmap`), once nothing can read there.
+
+    Raises:
+        OSError: the kernel refused (its errno).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as file:
+        ...     _ = file.write(b"weights!")
+        ...     file.flush()
+        ...     address = map_file(file.fileno(), 8, mmap.PROT_READ)
+        ...     blank(address, 8)
+        ...     ctypes.string_at(address, 8) == bytes(8), unmap(address, 8)
+        (True, None)
+    """
+    fixed = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED
+    if _libc.mmap(address, length, mmap.PROT_READ, fixed, -1, 0) in (None, MAP_FAILED):
+        number = ctypes.get_errno()
+        raise OSError(number, os.strerror(number))
 
 
 def advise(address: int, length: int, advice: int) -> bool:

@@ -200,11 +200,18 @@ class FleetFill:
         self._offer_again(self.membership.lease, [entry])
 
     def forget(self, entry: str) -> None:
-        """This node no longer holds ``entry`` (evicted): peers stop looking for it here."""
+        """This node no longer holds ``entry`` (evicted): peers stop looking for it here (etcd first, so no peer
+        starts a read of it), then its NIXL registration and mapping go (a read under way fails on the reader).
+
+        Raises:
+            FleetUnavailableError: etcd was not told (the offer is withdrawn from NIXL all the same).
+        """
         self._offered.pop(entry, None)
-        self.server.withdraw(entry)
-        self.etcd.delete(self.key("complete", entry, self.node))
-        self.etcd.delete(self.key("segments", entry, self.node))
+        try:
+            self.etcd.delete(self.key("complete", entry, self.node))
+            self.etcd.delete(self.key("segments", entry, self.node))
+        finally:
+            self.server.withdraw(entry)
 
     def _offer_again(self, lease: int, entries: list[str] | None = None) -> None:
         """Put the keys that say this node holds ``entries`` (default: all it holds) under ``lease``."""

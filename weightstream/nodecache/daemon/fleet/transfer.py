@@ -28,7 +28,7 @@ import time
 from types import ModuleType
 
 from weightstream.errors import CacheConfigError, FleetPeerError, logger
-from weightstream.sources.local.raw_mapping import map_file, unmap
+from weightstream.sources.local.raw_mapping import blank, map_file, unmap
 
 log = logger(__name__)
 
@@ -100,6 +100,8 @@ class PieceServer:
         self._agent = _agent(node)
         self._published: dict[str, tuple[int, int, object, bool]] = {}
         """Each offer: its address, size and registration, and whether this server mapped it (and unmaps it)."""
+        self._blanked: list[tuple[float, int, int]] = []
+        """Withdrawn segments' mappings, zero pages now: when each may be unmapped, its address and size."""
         self._lock = threading.Lock()
 
     def publish(self, key: str, fd: int, size: int) -> dict[str, object]:
@@ -127,18 +129,38 @@ class PieceServer:
         return {"address": address, "size": size, "memory": memory, "device": device, "metadata": bytes(metadata).hex()}
 
     def withdraw(self, key: str) -> None:
-        """Stop offering ``key`` (evicted): peers reading it from now on fail and go elsewhere."""
+        """Stop offering ``key`` (evicted): peers reading it from now on fail and go elsewhere. A segment this server
+        mapped no longer holds the file's pages when this returns: its mapping becomes zero pages at once (a read
+        of a peer's still in flight, which UCX serves from that memory, gets zeros and fails its digest), unmapped
+        once no read can still be under way (``PIECE_TIMEOUT_S`` later)."""
         with self._lock:
             published = self._published.pop(key, None)
-        if published is not None:
-            address, size, registration, mapped_here = published
+        if published is None:
+            return
+        address, size, registration, mapped_here = published
+        try:
             self._agent.deregister_memory(registration)  # type: ignore[attr-defined]
+        finally:
             if mapped_here:
-                unmap(address, size)
+                blank(address, size)
+                with self._lock:
+                    self._blanked.append((time.monotonic() + PIECE_TIMEOUT_S, address, size))
+            self._unmap_blanked()
+
+    def _unmap_blanked(self, everything: bool = False) -> None:
+        """Unmap the blanked mappings no peer's read can still be using (``everything``: all, at close)."""
+        now = time.monotonic()
+        with self._lock:
+            due = [held for held in self._blanked if everything or held[0] <= now]
+            self._blanked = [held for held in self._blanked if held not in due]
+        for _, address, size in due:
+            unmap(address, size)
 
     def close(self) -> None:
+        """Withdraw every offer (the fleet's keys are gone with the lease by now) and unmap what it mapped."""
         for key in list(self._published):
             self.withdraw(key)
+        self._unmap_blanked(everything=True)
 
 
 class PieceFetcher:
