@@ -149,3 +149,40 @@ def test_an_origin_that_changes_mid_storm_ends_every_nodes_fill(etcd: str, origi
     reports = [gateway.get_held(key) for key in gateway.get_prefix("/changed/failed/")]
     assert reports, "no node reported the change"
     assert all(held is not None and held[1] != 0 for held in reports), "a report of a change that never expires"
+
+
+def test_a_failed_fill_releases_its_claims_at_once(etcd: str, tmp_path: Path):
+    """The origin fails under a node mid-fill: the error is the origin's, and the claims the node held are gone
+    while it lives on (another node claims those pieces at once, instead of waiting out the 30 s stall)."""
+    import ctypes
+
+    from weightstream.errors import SourceError
+    from weightstream.nodecache.daemon.fleet.fill import FleetFill
+    from weightstream.nodecache.daemon.fleet.membership import Membership
+    from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer
+
+    size = 6 * PIECE
+    reads = []
+
+    def failing_origin(offset: int, nbytes: int, address: int) -> None:
+        reads.append(offset)
+        if len(reads) > 2:
+            raise SourceError(f"the origin failed at byte {offset}")
+        ctypes.memset(address, 1, nbytes)
+
+    gateway = EtcdGateway([etcd])
+    member = Membership(gateway, "/released", "failing", {}, ttl_s=5)
+    server, fetcher = PieceServer("failing"), PieceFetcher("failing")
+    try:
+        fill = FleetFill(member, fetcher, server, piece_bytes=PIECE)
+        target = tmp_path / "segment"
+        with open(target, "wb+") as file:
+            file.truncate(size)
+            with pytest.raises(SourceError, match="the origin failed at byte"):
+                fill.fill("entry-f", file.fileno(), size, failing_origin)
+        assert gateway.get_prefix("/released/pieces/entry-f/") == {}, "a failed fill kept its claims"
+        assert gateway.get_prefix("/released/segments/") == {}, "a failed fill is still offered"
+        assert set(member.peers()) == {"failing"}, "the node left the fleet (its lease took the claims)"
+    finally:
+        member.close()
+        server.close()

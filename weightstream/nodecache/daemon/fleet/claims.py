@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 
@@ -41,6 +42,13 @@ class Claims:
         held = self.etcd.get(key)
         if held is not None and json.loads(held).get("node") == self.node:
             self.etcd.delete(key)
+
+    def release_all(self, entry: str, pieces: Sequence[int]) -> None:
+        """Give up this node's claims of ``pieces`` of ``entry`` (its fill failed or was cancelled) in one
+        transaction (per ``MAX_TXN_KEYS``): the others claim them at once instead of waiting out the stall. A claim
+        another node took over meanwhile is left to it."""
+        if pieces:
+            self.etcd.delete_held([self._key(entry, piece) for piece in sorted(pieces)], self.lease)
 
     def pieces(self, entry: str) -> dict[int, dict[str, object]]:
         """The claims of ``entry``'s pieces, by piece number."""
