@@ -364,3 +364,28 @@ def test_an_s3_checksum_catches_a_peer_lying_about_a_piece(s3_endpoint, tmp_path
     finally:
         for place in places:
             remove(*place)
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (["--fleet", "etcd://127.0.0.1:2379/x", "--fleet-ca", "ca.pem"], "apply to etcds:// (TLS) only; etcd://127.0"),
+        (["--fleet", "etcds://127.0.0.1:2379/x", "--fleet-key", "k.pem"], "--fleet-key without --fleet-cert"),
+        (["--fleet", "etcds://127.0.0.1:2379/x", "--fleet-cert", "c.pem"], "--fleet-cert without --fleet-key"),
+        (["--fleet", "etcd://127.0.0.1:2379/x", "--fleet-node", "rack/a"], "--fleet-node 'rack/a': a name of"),
+        (["--fleet", "etcd://127.0.0.1:2379/x", "--fleet-node", ".hidden"], "--fleet-node '.hidden': a name of"),
+    ],
+)
+def test_fleet_options_that_cannot_apply_are_refused_at_start(given: list[str], said: str):
+    directory, socket_path = cache_places("fleetopts")
+    try:
+        refused = subprocess.run(
+            [sys.executable, "-m", "weightstream.cli", "cache", "serve", "--dir", str(directory), "--socket",
+             str(socket_path), *given],
+            capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+        )  # fmt: skip
+        assert refused.returncode == 1, refused.stderr
+        assert refused.stderr.startswith("weightstream: error: ") and said in refused.stderr, refused.stderr
+        assert not socket_path.exists()
+    finally:
+        remove(directory, socket_path)

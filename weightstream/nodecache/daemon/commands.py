@@ -197,7 +197,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _describe_fleet(args: argparse.Namespace) -> int:
     from weightstream.nodecache.daemon.fleet.node import describe_fleet, parse_fleet, tls_context
 
-    described = describe_fleet(parse_fleet(args.fleet), tls_context(args.fleet_ca, args.fleet_cert, args.fleet_key))
+    address = parse_fleet(args.fleet)
+    described = describe_fleet(address, tls_context(args.fleet_ca, args.fleet_cert, args.fleet_key, address))
     if args.json:
         print(json.dumps(described))
         return 0
@@ -216,10 +217,13 @@ def _fleet(args: argparse.Namespace) -> Callable[[], FleetNode] | None:
         return None
     import socket
 
-    from weightstream.nodecache.daemon.fleet.node import FleetNode, parse_fleet, tls_context
+    from weightstream.nodecache.daemon.fleet.node import FleetNode, check_node_name, parse_fleet, tls_context
 
-    address, context = parse_fleet(args.fleet), tls_context(args.fleet_ca, args.fleet_cert, args.fleet_key)
-    return lambda: FleetNode.join(address, args.fleet_node or socket.gethostname(), context)
+    address = parse_fleet(args.fleet)
+    context = tls_context(args.fleet_ca, args.fleet_cert, args.fleet_key, address)
+    node = args.fleet_node or socket.gethostname()
+    check_node_name(node)
+    return lambda: FleetNode.join(address, node, context)
 
 
 def _cache(args: argparse.Namespace) -> NodeCache:

@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import mmap
 import os
+import re
 import ssl
 import threading
 import urllib.parse
@@ -65,8 +66,32 @@ def parse_fleet(urls: Sequence[str]) -> FleetAddress:
     return FleetAddress(tuple(endpoints), prefixes.pop())
 
 
-def tls_context(ca: str | None, certificate: str | None, key: str | None) -> ssl.SSLContext | None:
-    """The TLS context for ``etcds://`` endpoints (a CA to trust, a client certificate), or None for the default."""
+def tls_context(
+    ca: str | None, certificate: str | None, key: str | None, address: FleetAddress | None = None
+) -> ssl.SSLContext | None:
+    """The TLS context for ``etcds://`` endpoints (a CA to trust, a client certificate), or None for the default.
+
+    Raises:
+        CacheConfigError: files that cannot apply (TLS options for a cleartext ``etcd://`` endpoint of ``address``, a
+            key without a certificate, a certificate without a key), or that do not load.
+
+    Example:
+        >>> tls_context("ca.pem", None, None, parse_fleet(["etcd://10.0.0.2:2379/models"]))
+        Traceback (most recent call last):
+        ...
+        weightstream.errors.CacheConfigError: --fleet-ca, --fleet-cert and --fleet-key apply to etcds:// (TLS) only; ...
+    """
+    given = ca is not None or certificate is not None or key is not None
+    cleartext = [endpoint for endpoint in (address.endpoints if address else ()) if endpoint.startswith("http://")]
+    if given and cleartext:
+        raise CacheConfigError(
+            "--fleet-ca, --fleet-cert and --fleet-key apply to etcds:// (TLS) only; "
+            f"{cleartext[0].replace('http://', 'etcd://', 1)} is cleartext"
+        )
+    if (certificate is None) != (key is None):
+        raise CacheConfigError(
+            "--fleet-key without --fleet-cert" if certificate is None else "--fleet-cert without --fleet-key"
+        )
     if ca is None and certificate is None:
         return None
     try:
@@ -76,6 +101,30 @@ def tls_context(ca: str | None, certificate: str | None, key: str | None) -> ssl
     except (OSError, ssl.SSLError) as error:
         raise CacheConfigError(f"--fleet TLS files: {error}") from None
     return context
+
+
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+"""A node's name: a host name's characters (it is a part of etcd key paths: no ``/``, nothing to escape)."""
+
+
+def check_node_name(node: str) -> None:
+    """Refuse a node name that would break the fleet's key paths.
+
+    Raises:
+        CacheConfigError: it has characters other than letters, digits, ``.``, ``_`` and ``-`` (or starts with one of
+            the last three), or is longer than 253.
+
+    Example:
+        >>> check_node_name("node-a.rack2")
+        >>> check_node_name("a/b")
+        Traceback (most recent call last):
+        ...
+        weightstream.errors.CacheConfigError: --fleet-node 'a/b': a name of letters, digits, '.', '_' and '-' (as a ...
+    """
+    if not NODE_NAME.fullmatch(node):
+        raise CacheConfigError(
+            f"--fleet-node {node[:80]!r}: a name of letters, digits, '.', '_' and '-' (as a host name), at most 253"
+        )
 
 
 def describe_fleet(address: FleetAddress, tls: ssl.SSLContext | None = None) -> dict[str, object]:
@@ -129,6 +178,7 @@ class FleetNode:
             CacheConfigError: NIXL is not installed (with the hint).
             FleetUnavailableError: etcd does not answer.
         """
+        check_node_name(node)
         nixl()
         etcd = EtcdGateway(address.endpoints, tls)
         membership = Membership(etcd, address.prefix, node, {})
