@@ -36,11 +36,16 @@ def map_file(fd: int, length: int, prot: int, offset: int = 0) -> int:
         ...     ctypes.string_at(address, 8), unmap(address, 8)
         (b'weights!', None)
     """
-    address = _libc.mmap(None, length, prot, mmap.MAP_SHARED, fd, offset)
-    if address in (None, MAP_FAILED):
+    return _mmap(None, length, prot, mmap.MAP_SHARED, fd, offset)
+
+
+def _mmap(address: int | None, length: int, prot: int, flags: int, fd: int, offset: int) -> int:
+    """``mmap(2)``: the mapping's address, or the kernel's refusal as an ``OSError`` with its errno."""
+    mapped = _libc.mmap(address, length, prot, flags, fd, offset)
+    if mapped in (None, MAP_FAILED):
         number = ctypes.get_errno()
         raise OSError(number, os.strerror(number))
-    return address
+    return mapped
 
 
 def unmap(address: int, length: int) -> None:
@@ -66,10 +71,7 @@ def blank(address: int, length: int) -> None:
         ...     ctypes.string_at(address, 8) == bytes(8), unmap(address, 8)
         (True, None)
     """
-    fixed = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED
-    if _libc.mmap(address, length, mmap.PROT_READ, fixed, -1, 0) in (None, MAP_FAILED):
-        number = ctypes.get_errno()
-        raise OSError(number, os.strerror(number))
+    _mmap(address, length, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1, 0)
 
 
 def advise(address: int, length: int, advice: int) -> bool:

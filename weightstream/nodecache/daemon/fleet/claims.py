@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection
 
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 
@@ -43,7 +43,7 @@ class Claims:
         if held is not None and json.loads(held).get("node") == self.node:
             self.etcd.delete(key)
 
-    def release_all(self, entry: str, pieces: Sequence[int]) -> None:
+    def release_all(self, entry: str, pieces: Collection[int]) -> None:
         """Give up this node's claims of ``pieces`` of ``entry`` (its fill failed or was cancelled) in one
         transaction (per ``MAX_TXN_KEYS``): the others claim them at once instead of waiting out the stall. A claim
         another node took over meanwhile is left to it."""

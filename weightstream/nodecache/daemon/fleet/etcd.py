@@ -28,9 +28,9 @@ from weightstream.errors import CacheConfigError, FleetUnavailableError
 REQUEST_TIMEOUT_S = 5.0
 """A request to etcd that has not answered in this long fails over to the next endpoint."""
 MAX_IDLE = 8
+"""Connections kept open to each endpoint between calls (threads calling at once open more, closed after)."""
 MAX_TXN_KEYS = 64
 """Keys one transaction compares and deletes: etcd refuses more than 128 operations in one (``--max-txn-ops``)."""
-"""Connections kept open to each endpoint between calls (threads calling at once open more, closed after)."""
 
 
 def _b64(data: bytes) -> str:
@@ -152,21 +152,17 @@ class EtcdGateway:
         )
         return bool(answer.get("succeeded"))
 
-    def delete_held(self, keys: Sequence[str], lease: int) -> int:
+    def delete_held(self, keys: Sequence[str], lease: int) -> None:
         """Delete each of ``keys`` that ``lease`` still holds, up to ``MAX_TXN_KEYS`` in one transaction (a key
-        another lease holds now, taken over meanwhile, is left); how many transactions it took."""
-        calls = 0
+        another lease holds now, taken over meanwhile, is left)."""
         for start in range(0, len(keys), MAX_TXN_KEYS):
             chunk = [_b64(key.encode()) for key in keys[start : start + MAX_TXN_KEYS]]
             held = [{"key": key, "result": "EQUAL", "target": "LEASE", "lease": lease} for key in chunk]
             deletes = [{"request_delete_range": {"key": key}} for key in chunk]
-            calls += 1
             if self._call("/v3/kv/txn", {"compare": held, "success": deletes}).get("succeeded"):
                 continue
-            for key, compare, delete in zip(chunk, held, deletes, strict=True):  # one was taken over: each alone
-                calls += 1
+            for compare, delete in zip(held, deletes, strict=True):  # one was taken over: each alone
                 self._call("/v3/kv/txn", {"compare": [compare], "success": [delete]})
-        return calls
 
     def close(self) -> None:
         """Close the idle connections (a later call opens new ones)."""

@@ -306,7 +306,7 @@ class _EntryFill:
             return self._run()
         except BaseException as error:
             try:
-                self.claims.release_all(self.entry, sorted(self.claimed))
+                self.claims.release_all(self.entry, self.claimed)
             except FleetUnavailableError as unreachable:
                 log.warning("%s: the failed fill's claims not released (%s): they go with this node's lease",
                             self.entry, unreachable)  # fmt: skip

@@ -132,7 +132,8 @@ class PieceServer:
         """Stop offering ``key`` (evicted): peers reading it from now on fail and go elsewhere. A segment this server
         mapped no longer holds the file's pages when this returns: its mapping becomes zero pages at once (a read
         of a peer's still in flight, which UCX serves from that memory, gets zeros and fails its digest), unmapped
-        once no read can still be under way (``PIECE_TIMEOUT_S`` later)."""
+        by the first withdrawal ``PIECE_TIMEOUT_S`` or more later, when no read can still be under way (or at
+        :meth:`close`)."""
         with self._lock:
             published = self._published.pop(key, None)
         if published is None:
