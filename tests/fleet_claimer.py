@@ -11,13 +11,14 @@ import time
 from weightstream.nodecache.daemon.fleet.claims import Claims
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 from weightstream.nodecache.daemon.fleet.membership import Membership
+from weightstream.nodecache.daemon.fleet.record_store import RecordStore
 
 
 def main() -> None:
     endpoint, prefix, node, entry, pieces = sys.argv[1:6]
     etcd = EtcdGateway([endpoint])
-    member = Membership(etcd, prefix, node, {"address": "127.0.0.1"}, ttl_s=3)
-    claims = Claims(etcd, prefix, node, member.lease)
+    member = Membership(RecordStore(etcd, prefix), node, ttl_s=3)
+    claims = Claims(member.store, node, lambda: member.lease)
     won = [piece for piece in range(int(pieces)) if claims.claim(entry, piece)[0]]
     print(json.dumps(won), flush=True)
     if "--hold" in sys.argv:

@@ -4,7 +4,6 @@ then serves until killed."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -18,8 +17,8 @@ def main() -> None:
     fd = os.open(path, os.O_RDONLY)
     where = server.publish("segment", fd, os.fstat(fd).st_size)
     os.close(fd)
-    with open(info + ".tmp", "w") as file:
-        json.dump(where, file)
+    with open(info + ".tmp", "wb") as file:
+        file.write(where.encode())
     os.replace(info + ".tmp", info)
     while True:
         time.sleep(1)

@@ -24,6 +24,7 @@ from weightstream.nodecache.daemon.fleet.devices import PeerDevices
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 from weightstream.nodecache.daemon.fleet.fill import FleetFill
 from weightstream.nodecache.daemon.fleet.membership import Membership
+from weightstream.nodecache.daemon.fleet.record_store import RecordStore
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer
 from weightstream.sources import store_for
 
@@ -80,7 +81,7 @@ def main() -> None:
 
     server = PieceServer(args.node)
     fetcher = PieceFetcher(args.node)
-    member = Membership(EtcdGateway([args.etcd]), args.prefix, args.node, {}, ttl_s=5)
+    member = Membership(RecordStore(EtcdGateway([args.etcd]), args.prefix), args.node, ttl_s=5)
     fd = os.open(args.output, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     os.ftruncate(fd, source.size)
     fleet = FleetFill(member, fetcher, server, piece_bytes=args.piece_bytes)

@@ -20,6 +20,8 @@ from weightstream.errors import CacheConfigError, FleetUnavailableError
 from weightstream.nodecache.daemon.fleet.claims import Claims
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 from weightstream.nodecache.daemon.fleet.membership import Membership
+from weightstream.nodecache.daemon.fleet.record_store import RecordStore
+from weightstream.nodecache.daemon.fleet.records import Claim, NodeRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,8 +52,8 @@ def test_racing_nodes_each_piece_is_won_by_exactly_one(etcd: str):
             process.communicate(timeout=30)
     claimed = sorted(piece for pieces in won.values() for piece in pieces)
     assert claimed == list(range(64)), f"a piece claimed twice, or not at all: {won}"
-    holders = Claims(EtcdGateway([etcd]), "/race", "observer", 0).pieces("entry-a")
-    assert {piece: claim["node"] for piece, claim in holders.items()} == {
+    holders = Claims(RecordStore(EtcdGateway([etcd]), "/race"), "observer", lambda: 0).pieces("entry-a")
+    assert {piece: claim.node for piece, (claim, _) in holders.items()} == {
         piece: node for node, pieces in won.items() for piece in pieces
     }
 
@@ -60,11 +62,11 @@ def test_a_killed_nodes_claims_expire_with_its_lease_and_a_live_ones_outlast_it(
     gateway = EtcdGateway([etcd])
     dying = claimer(etcd, "/expiry", "dying", "entry-b", 4, "--hold")
     assert json.loads(dying.stdout.readline()) == [0, 1, 2, 3]
-    living = Membership(gateway, "/expiry", "living", {"address": "127.0.0.2"}, ttl_s=3)
+    living = Membership(RecordStore(gateway, "/expiry"), "living", ttl_s=3)
     try:
-        mine = Claims(gateway, "/expiry", "living", living.lease)
-        assert mine.claim("entry-c", 0) == (True, {"node": "living", "state": "claimed"})
-        assert mine.claim("entry-b", 0) == (False, {"node": "dying", "state": "claimed"})
+        mine = Claims(RecordStore(gateway, "/expiry"), "living", lambda: living.lease)
+        assert mine.claim("entry-c", 0) == (True, Claim("living", "claimed"))
+        assert mine.claim("entry-b", 0) == (False, Claim("dying", "claimed"))
         dying.kill()
         dying.communicate(timeout=30)
         deadline = time.monotonic() + 15
@@ -74,10 +76,10 @@ def test_a_killed_nodes_claims_expire_with_its_lease_and_a_live_ones_outlast_it(
         assert mine.claim("entry-b", 0)[0], "the piece could not be claimed again"
         assert set(living.peers()) == {"living"}
         time.sleep(4)  # longer than the lease: the renewing thread keeps it
-        assert mine.pieces("entry-c") == {0: {"node": "living", "state": "claimed"}}
+        assert [claim for claim, _ in mine.pieces("entry-c").values()] == [Claim("living", "claimed")]
         mine.done("entry-c", 0, "ab" * 32)
-        assert mine.pieces("entry-c") == {0: {"node": "living", "state": "done", "sha256": "ab" * 32}}
-        mine.release("entry-b", 0)
+        assert [claim for claim, _ in mine.pieces("entry-c").values()] == [Claim("living", "done", "ab" * 32)]
+        mine.release_all("entry-b", mine.mine("entry-b"))
         assert mine.pieces("entry-b") == {}
     finally:
         living.close()
@@ -86,13 +88,13 @@ def test_a_killed_nodes_claims_expire_with_its_lease_and_a_live_ones_outlast_it(
 
 def test_two_fleets_on_one_etcd_never_mix(etcd: str):
     gateway = EtcdGateway([etcd])
-    first = Membership(gateway, "/fleet-a", "node-1", {"address": "10.0.0.1"})
-    second = Membership(gateway, "/fleet-b", "node-1", {"address": "10.0.0.2"})
+    first = Membership(RecordStore(gateway, "/fleet-a"), "node-1")
+    second = Membership(RecordStore(gateway, "/fleet-b"), "node-1")
     try:
-        assert Claims(gateway, "/fleet-a", "node-1", first.lease).claim("same-entry", 0)[0]
-        assert Claims(gateway, "/fleet-b", "node-1", second.lease).claim("same-entry", 0)[0]
-        assert first.peers() == {"node-1": {"node": "node-1", "address": "10.0.0.1"}}
-        assert second.peers() == {"node-1": {"node": "node-1", "address": "10.0.0.2"}}
+        assert Claims(first.store, "node-1", lambda: first.lease).claim("same-entry", 0)[0]
+        assert Claims(second.store, "node-1", lambda: second.lease).claim("same-entry", 0)[0]
+        assert first.peers() == second.peers() == {"node-1": NodeRecord("node-1")}
+        assert first.lease != second.lease
     finally:
         first.close()
         second.close()
@@ -103,7 +105,7 @@ def test_etcd_out_of_reach_is_a_typed_error_naming_every_endpoint(tmp_path: Path
 
     endpoints = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
     with pytest.raises(FleetUnavailableError) as refused:
-        Membership(EtcdGateway(endpoints), "/nowhere", "node", {})
+        Membership(RecordStore(EtcdGateway(endpoints), "/nowhere"), "node")
     message = str(refused.value)
     assert message.startswith("no etcd endpoint answered /v3/lease/grant: ")
     assert all(endpoint in message for endpoint in endpoints) and "ConnectionRefusedError" in message

@@ -89,6 +89,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+UNPARSABLE = [
+    ("pieces/{entry}/999", b"{not json"),
+    ("pieces/{entry}/x\udcff", b'{"node": "node-0", "state": "done", "sha256": "00"}'),
+    ("digests/{entry}/998", b"\xff\xfe"),
+    ("complete/{entry}/evil", b'{"address": "0x10", "size": 1}'),
+    ("segments/{entry}/evil", b"[]"),
+    ("devices/{entry}/evil/GPU-0", b'{"address": 1, "size": 1, "metadata": "zz", "gpu": "GPU-0"}'),
+    ("nodes/evil", b'{"node": 7}'),
+    ("nodes/a b", b'{"node": "a b"}'),
+]
+"""Records no member writes, one (or two) per family: the late node's fill and ``cache fleet`` skip them."""
+
+
 def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Path):
     state, size = origin_file(tmp_path, 1024, 12)
     daemons: list[Daemon] = []
@@ -108,9 +121,14 @@ def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Pa
                 for load in loads:
                     assert_same(load.result(), state)
             served, _ = read_once(origin, size, daemons[:3])
+            (entry,) = stats(daemons[0].socket)["fleet"]["entries"]
+            gateway = EtcdGateway([etcd])
+            for family, value in UNPARSABLE:  # a broken member's writes in every family: skipped, counted
+                gateway.put(f"/daemons/{family.format(entry=entry)}", value)
             assert_same(weightstream.load_weights(url, cache=str(daemons[3].socket)), state)
             late = stats(daemons[3].socket)["fleet"]
             assert (late["bytes_from_origin"], late["bytes_from_peers"]) == (0, size), late
+            assert late["bad_records"] >= 4, late  # the claims, digest and complete ones its fill read
             assert origin.ranged_bytes() == served, "the late daemon read from the origin"
             everyone = [stats(daemon.socket)["fleet"] for daemon in daemons]
             assert sum(f["bytes_served_to_peers"] for f in everyone) == 3 * size, everyone
@@ -119,9 +137,9 @@ def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Pa
                 (entry,) = counts["entries"].values()
                 assert entry["bytes_from_origin"] + entry["bytes_from_peers"] == size, counts
                 assert entry["bytes_served_to_peers"] == counts["bytes_served_to_peers"], counts
-            EtcdGateway([etcd]).put(f"/daemons/served/node-0/{'0' * 32}/intruder", b"lots")  # not a count
+            gateway.put(f"/daemons/served/node-0/{'0' * 32}/intruder", b"lots")  # not a count
             assert stats(daemons[0].socket)["fleet"]["bytes_served_to_peers"] == everyone[0]["bytes_served_to_peers"]
-            assert "not a count of bytes: not counted" in daemons[0].log()
+            assert f"'/daemons/served/node-0/{'0' * 32}/intruder' skipped: not a decimal" in daemons[0].log()
             listed = subprocess.run(
                 [sys.executable, "-m", "weightstream.cli", "cache", "fleet", "--fleet", fleet, "--json"],
                 capture_output=True, text=True, timeout=60, check=True, cwd=ROOT,
@@ -129,6 +147,7 @@ def test_three_daemons_read_the_origin_once_and_a_fourth_not_at_all(tmp_path: Pa
             nodes = json.loads(listed.stdout)["nodes"]
             assert sorted(nodes) == [f"node-{n}" for n in range(4)]
             assert all(len(held["complete"]) == 1 and held["filling"] == [] for held in nodes.values()), nodes
+            assert "skipped" in listed.stderr, listed.stderr  # the junk nodes (logged, not listed)
             idle = cpu_seconds(daemons[0].process.pid)
             time.sleep(3)
             spent = (cpu_seconds(daemons[0].process.pid) - idle) / 3
@@ -389,3 +408,24 @@ def test_fleet_options_that_cannot_apply_are_refused_at_start(given: list[str], 
         assert not socket_path.exists()
     finally:
         remove(directory, socket_path)
+
+
+def test_a_second_daemon_with_a_live_nodes_name_is_refused_naming_its_lease(tmp_path: Path):
+    with fleet_of(tmp_path, "/names") as fleet, fleet.daemon("twin") as first:
+        held = EtcdGateway([fleet.etcd]).get_held("/names/nodes/twin")
+        assert held is not None
+        directory, socket_path = cache_places("fleettwin2")
+        try:
+            refused = subprocess.run(
+                [sys.executable, "-m", "weightstream.cli", "cache", "serve", "--dir", str(directory), "--socket",
+                 str(socket_path), "--fleet", fleet.url, "--fleet-node", "twin"],
+                capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+            )  # fmt: skip
+            assert refused.returncode == 1, refused.stderr
+            said = f"--fleet-node twin: a live node of the fleet has this name (its lease {held[1]:x})"
+            assert said in refused.stderr, refused.stderr
+            assert not socket_path.exists()
+        finally:
+            remove(directory, socket_path)
+        assert EtcdGateway([fleet.etcd]).get_held("/names/nodes/twin") == held, "the first daemon lost its place"
+        assert stats(first.socket)["fleet"]["node"] == "twin"

@@ -151,6 +151,62 @@ def test_an_origin_that_changes_mid_storm_ends_every_nodes_fill(etcd: str, origi
     assert all(held is not None and held[1] != 0 for held in reports), "a report of a change that never expires"
 
 
+def test_a_wrong_published_digest_is_corrected_from_the_origin_not_reported_as_a_change(
+    etcd: str, origin, tmp_path: Path
+):
+    """A member published a digest that is not of the origin's bytes: the next node's fetch of that piece fails its
+    check, the origin's own bytes (read pinned to the version) fail it too, so the digest is corrected and the fill
+    ends well; no ``failed/`` report blocks the entry (before: "the origin changed", fleet-wide)."""
+    import hashlib
+
+    _, url, data = origin
+    holder = Node(etcd, "/wrongdigest", "holder", url, tmp_path / "holder")
+    assert holder.stats()["bytes_from_origin"] == len(data)
+    gateway = EtcdGateway([etcd])
+    (plan,) = gateway.get_prefix("/wrongdigest/plan/")
+    entry = plan.rsplit("/", 1)[1]
+    gateway.put(f"/wrongdigest/digests/{entry}/2", b"0" * 64)
+    try:
+        joiner = Node(etcd, "/wrongdigest", "joiner", url, tmp_path / "joiner")
+        filled = joiner.stats()
+        assert joiner.output.read_bytes() == data
+        assert (filled["digests_corrected"], filled["peer_failures"]) == (1, 1), filled
+        truth = hashlib.sha256(data[2 * PIECE : 3 * PIECE]).hexdigest().encode()
+        assert gateway.get(f"/wrongdigest/digests/{entry}/2") == truth
+        assert gateway.get_prefix("/wrongdigest/failed/") == {}, "a wrong digest was reported as a changed origin"
+        again = Node(etcd, "/wrongdigest", "again", url, tmp_path / "again")
+        assert (again.stats()["peer_failures"], again.output.read_bytes() == data) == (0, True)
+        again.leave()
+        joiner.leave()
+    finally:
+        holder.leave()
+
+
+def test_a_node_that_only_reads_a_failed_report_does_not_write_it_again(etcd: str, origin, tmp_path: Path):
+    """One node's report that the origin changed ends the others' fills, and only that node's lease holds it: a
+    node whose fill ended on the report alone does not put it again (before: each did, under a fresh lease, so one
+    report never ended while anyone retried)."""
+    _, url, _ = origin
+    gateway = EtcdGateway([etcd])
+    reporter = gateway.grant(60)
+    probe = Node(etcd, "/report", "probe", url, tmp_path / "probe")  # finds the entry's key
+    probe.stats()
+    probe.leave()
+    (plan,) = gateway.get_prefix("/report/plan/")
+    entry = plan.rsplit("/", 1)[1]
+    gateway.delete_prefix("/report/")
+    gateway.put(f"/report/failed/{entry}", b"seen by another node", reporter)
+    reader = Node(etcd, "/report", "reader", url, tmp_path / "reader")
+    reader.process.stdin.close()  # type: ignore[union-attr]
+    assert reader.process.wait(timeout=60) != 0
+    said = reader.process.stderr.read()  # type: ignore[union-attr]
+    reader.process.stdout.close()  # type: ignore[union-attr]
+    reader.process.stderr.close()  # type: ignore[union-attr]
+    assert "another node of the fleet found the origin changed: seen by another node" in said, said[-2000:]
+    assert gateway.get_held(f"/report/failed/{entry}") == (b"seen by another node", reporter), "written again"
+    gateway.revoke(reporter)
+
+
 def test_a_failed_fill_releases_its_claims_at_once(etcd: str, tmp_path: Path):
     """The origin fails under a node mid-fill: the error is the origin's, and the claims the node held are gone
     while it lives on (another node claims those pieces at once, instead of waiting out the 30 s stall)."""
@@ -159,6 +215,7 @@ def test_a_failed_fill_releases_its_claims_at_once(etcd: str, tmp_path: Path):
     from weightstream.errors import SourceError
     from weightstream.nodecache.daemon.fleet.fill import FleetFill
     from weightstream.nodecache.daemon.fleet.membership import Membership
+    from weightstream.nodecache.daemon.fleet.record_store import RecordStore
     from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer
 
     size = 6 * PIECE
@@ -171,7 +228,7 @@ def test_a_failed_fill_releases_its_claims_at_once(etcd: str, tmp_path: Path):
         ctypes.memset(address, 1, nbytes)
 
     gateway = EtcdGateway([etcd])
-    member = Membership(gateway, "/released", "failing", {}, ttl_s=5)
+    member = Membership(RecordStore(gateway, "/released"), "failing", ttl_s=5)
     server, fetcher = PieceServer("failing"), PieceFetcher("failing")
     try:
         fill = FleetFill(member, fetcher, server, piece_bytes=PIECE)
@@ -186,3 +243,45 @@ def test_a_failed_fill_releases_its_claims_at_once(etcd: str, tmp_path: Path):
     finally:
         member.close()
         server.close()
+
+
+def test_a_stalled_claim_is_taken_over_by_one_node_which_publishes_its_digest(etcd: str, tmp_path: Path):
+    """A live node claimed a piece and never finished it: after the stall a waiting node takes the claim over (one
+    transaction on its revision), reads the piece from the origin and publishes its digest, so later nodes fetch it
+    from a peer instead of each reading it from the origin (before: read by each, no digest ever published)."""
+    import ctypes
+    import hashlib
+
+    from weightstream.nodecache.daemon.fleet.fill import FleetFill
+    from weightstream.nodecache.daemon.fleet.membership import Membership
+    from weightstream.nodecache.daemon.fleet.record_store import RecordStore
+    from weightstream.nodecache.daemon.fleet.records import Claim
+    from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer
+
+    size = 3 * PIECE
+
+    def origin(offset: int, nbytes: int, address: int) -> None:
+        ctypes.memset(address, offset // PIECE + 1, nbytes)
+
+    gateway = EtcdGateway([etcd])
+    stalled = Membership(RecordStore(gateway, "/stalled"), "stuck", ttl_s=30)
+    member = Membership(RecordStore(gateway, "/stalled"), "waiting", ttl_s=5)
+    server, fetcher = PieceServer("waiting"), PieceFetcher("waiting")
+    try:
+        gateway.put("/stalled/pieces/entry-s/1", Claim("stuck", "claimed").encode(), stalled.lease)
+        fill = FleetFill(member, fetcher, server, piece_bytes=PIECE, stall_s=1.0)
+        with open(tmp_path / "segment", "wb+") as file:
+            file.truncate(size)
+            stats = fill.fill("entry-s", file.fileno(), size, origin)
+            file.seek(PIECE)
+            assert file.read(PIECE) == b"\x02" * PIECE
+        assert (stats.claims_taken_over, stats.bytes_from_origin, stats.pieces_refetched) == (1, size, 0), stats
+        digest = hashlib.sha256(b"\x02" * PIECE).hexdigest()
+        held = gateway.get_held("/stalled/pieces/entry-s/1")
+        assert held == (Claim("waiting", "done", digest).encode(), member.lease), held
+        assert gateway.get("/stalled/digests/entry-s/1") == digest.encode()
+    finally:
+        member.close()
+        stalled.close()
+        server.close()
+        gateway.delete_prefix("/stalled/")

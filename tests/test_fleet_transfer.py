@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
 import mmap
 import os
 import subprocess
@@ -20,6 +19,7 @@ pytest.importorskip("nixl_cu12", reason="the fleet's data plane needs NIXL (pip 
 
 from weightstream.errors import CacheConfigError, FleetPeerError
 from weightstream.nodecache.daemon.fleet import transfer
+from weightstream.nodecache.daemon.fleet.records import parse_offer
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ class Holder:
             assert self.process.poll() is None, self.process.stderr.read()  # type: ignore[union-attr]
             assert time.monotonic() < deadline, "the holder did not publish its segment"
             time.sleep(0.05)
-        self.where = json.loads(self.info.read_text())
+        self.where = parse_offer(self.info.read_bytes())
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -80,7 +80,7 @@ def test_pieces_read_from_a_peer_are_its_bytes_checked_against_their_digest(segm
         assert bytes(buffer) == data
         with pytest.raises(FleetPeerError, match=r"^holder-a: bytes 0\.\.16777216 hash to [0-9a-f]{16}\.\.\., not the"):
             fetcher.read("holder-a", holder.where, 0, piece, address, "0" * 64)
-        with pytest.raises(FleetPeerError, match=r"bytes 67108864\.\.67108865 lie outside its 67108864-byte segment"):
+        with pytest.raises(FleetPeerError, match=r"bytes 67108864\.\.67108865 lie outside its 67108864-byte offer"):
             fetcher.read("holder-a", holder.where, 64 * MIB, 1, address)
     finally:
         holder.kill()
@@ -109,13 +109,13 @@ def test_a_peers_published_memory_is_not_writable_by_another(segment, destinatio
         api = transfer.nixl()
         agent = api.nixl_agent("writer-c", api.nixl_agent_config(backends=["UCX"]))
         agent.register_memory([(address, MIB, 0, "")], "DRAM")
-        name = agent.add_remote_agent(bytes.fromhex(holder.where["metadata"]))
+        name = agent.add_remote_agent(bytes.fromhex(holder.where.metadata))
         written = "ERR"
         try:
             handle = agent.initialize_xfer(
                 "WRITE",
                 agent.get_xfer_descs([(address, MIB, 0)], "DRAM"),
-                agent.get_xfer_descs([(holder.where["address"], MIB, 0)], "DRAM"),
+                agent.get_xfer_descs([(holder.where.address, MIB, 0)], "DRAM"),
                 name,
             )
             written = agent.transfer(handle)

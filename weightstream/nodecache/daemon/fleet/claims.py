@@ -1,59 +1,60 @@
 """Who reads which piece of an entry from the origin: one claim per piece, made in one etcd transaction (of any
 number of nodes asking at once, one wins), held by the claimer's lease (a dead node's claims vanish with it), and
-marked done with the piece's sha256 once the piece is in the claimer's memory, for the others to fetch and check.
+marked done with the piece's sha256 once the piece is in the claimer's memory, for the others to fetch and check. A
+claim that stalls may be taken over by one of the nodes waiting for it (compared on its revision: one wins).
 
-Keys: ``{prefix}/pieces/{entry}/{piece}`` = ``{"node": ..., "state": "claimed" | "done", "sha256": ...}``.
+Keys: ``pieces/{entry}/{piece}`` (:class:`~weightstream.nodecache.daemon.fleet.records.Claim`).
 
 Example:
-    >>> claims = Claims(etcd, "/weightstream", "node-a", member.lease)  # doctest: +SKIP
+    >>> claims = Claims(store, "node-a", lambda: member.lease)  # doctest: +SKIP
     >>> claims.claim("3f2a...", 0)  # doctest: +SKIP
-    (True, {'node': 'node-a', 'state': 'claimed'})
+    (True, Claim(node='node-a', state='claimed', sha256=None))
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
-from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
+from weightstream.nodecache.daemon.fleet.record_store import RecordStore
+from weightstream.nodecache.daemon.fleet.records import Claim
 
 
 class Claims:
-    """The piece claims of node ``node`` (its lease ``lease``) in the fleet at ``prefix``."""
+    """The piece claims of node ``node`` in the fleet of ``store``, each made under the lease ``lease()`` gives at
+    that moment (a node that registered again claims under its new lease)."""
 
-    def __init__(self, etcd: EtcdGateway, prefix: str, node: str, lease: int) -> None:
-        self.etcd, self.node, self.lease = etcd, node, lease
-        self.pieces_prefix = f"{prefix.rstrip('/')}/pieces/"
+    def __init__(self, store: RecordStore, node: str, lease: Callable[[], int]) -> None:
+        self.store, self.node, self.lease = store, node, lease
 
-    def claim(self, entry: str, piece: int) -> tuple[bool, dict[str, object]]:
+    def claim(self, entry: str, piece: int) -> tuple[bool, Claim]:
         """Claim piece ``piece`` of ``entry`` for this node; whether it won, and the claim that holds the piece."""
-        mine = {"node": self.node, "state": "claimed"}
-        won, held = self.etcd.create(self._key(entry, piece), json.dumps(mine).encode(), self.lease)
-        return won, mine if won else json.loads(held)
+        mine = Claim(self.node, "claimed")
+        held = self.store.claim(entry, piece, mine, self.lease())
+        return held is None, mine if held is None else held
+
+    def take_over(self, entry: str, piece: int, revision: int) -> bool:
+        """Take over the claim of ``piece`` if it is still as it was at ``revision`` (its claimer stalled); whether
+        this node now holds it."""
+        key = self.store.keys.claim(entry, piece)
+        return self.store.etcd.replace_at(key, revision, Claim(self.node, "claimed").encode(), self.lease())
 
     def done(self, entry: str, piece: int, sha256: str) -> None:
         """Mark this node's claim of the piece done: it holds the piece, whose digest is ``sha256``."""
-        record = {"node": self.node, "state": "done", "sha256": sha256}
-        self.etcd.put(self._key(entry, piece), json.dumps(record).encode(), self.lease)
-
-    def release(self, entry: str, piece: int) -> None:
-        """Give up this node's claim of the piece (its read failed): another node may claim it."""
-        key = self._key(entry, piece)
-        held = self.etcd.get(key)
-        if held is not None and json.loads(held).get("node") == self.node:
-            self.etcd.delete(key)
+        done = Claim(self.node, "done", sha256)
+        self.store.etcd.put(self.store.keys.claim(entry, piece), done.encode(), self.lease())
 
     def release_all(self, entry: str, pieces: Collection[int]) -> None:
-        """Give up this node's claims of ``pieces`` of ``entry`` (its fill failed or was cancelled) in one
-        transaction (per ``MAX_TXN_KEYS``): the others claim them at once instead of waiting out the stall. A claim
-        another node took over meanwhile is left to it."""
+        """Give up this node's claims of ``pieces`` of ``entry`` (its fill failed or was cancelled, or it evicted the
+        entry) in one transaction (per ``MAX_TXN_KEYS``): the others claim them at once instead of waiting out the
+        stall. A claim another node took over meanwhile is left to it."""
         if pieces:
-            self.etcd.delete_held([self._key(entry, piece) for piece in sorted(pieces)], self.lease)
+            keys = [self.store.keys.claim(entry, piece) for piece in sorted(pieces)]
+            self.store.etcd.delete_held(keys, self.lease())
 
-    def pieces(self, entry: str) -> dict[int, dict[str, object]]:
-        """The claims of ``entry``'s pieces, by piece number."""
-        prefix = f"{self.pieces_prefix}{entry}/"
-        return {int(key.removeprefix(prefix)): json.loads(value) for key, value in self.etcd.get_prefix(prefix).items()}
+    def pieces(self, entry: str) -> dict[int, tuple[Claim, int]]:
+        """The claims of ``entry``'s pieces by piece number, each with the revision it last changed at."""
+        return self.store.claims(entry)
 
-    def _key(self, entry: str, piece: int) -> str:
-        return f"{self.pieces_prefix}{entry}/{piece}"
+    def mine(self, entry: str) -> set[int]:
+        """The pieces of ``entry`` this node holds the claim of."""
+        return {piece for piece, (claim, _) in self.pieces(entry).items() if claim.node == self.node}

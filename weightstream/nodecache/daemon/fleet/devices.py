@@ -22,9 +22,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import hashlib
-import json
 import mmap
 import threading
 import zlib
@@ -40,6 +39,7 @@ from weightstream.errors import (
     logger,
 )
 from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill, piece_spans
+from weightstream.nodecache.daemon.fleet.records import Offer
 from weightstream.nodecache.daemon.fleet.transfer import memory_at
 from weightstream.sources.local.raw_mapping import map_file, unmap
 
@@ -71,7 +71,7 @@ class PeerDevices:
 
     def __init__(self, fleet: FleetFill, copies: DeviceCopies) -> None:
         self.fleet, self.copies = fleet, copies
-        self._offered: dict[tuple[str, str], bytes] = {}
+        self._offered: dict[tuple[str, str], Offer] = {}
         """Each (entry, GPU) offered, and where peers read it (put again under a new lease)."""
         self._lock = threading.Lock()
         fleet.membership.on_registered_again.append(self._offer_again)
@@ -81,10 +81,10 @@ class PeerDevices:
         where = self.fleet.server.publish_memory(
             f"{key}/{uuid}", address, nbytes, self.copies.memory, self.copies.index_of(uuid)
         )
-        offered = json.dumps({**where, "gpu": uuid}).encode()
+        offered = dataclasses.replace(where, gpu=uuid)
         with self._lock:
             self._offered[key, uuid] = offered
-        self.fleet.etcd.put(self._key(key, uuid), offered, self.fleet.membership.lease)
+        self.fleet.etcd.put(self._key(key, uuid), offered.encode(), self.fleet.membership.lease)
 
     def withdraw(self, key: str, uuid: str) -> None:
         """Stop offering this node's copy of ``key`` on ``uuid`` (peers reading it from now on fail, and go the host
@@ -145,7 +145,7 @@ class PeerDevices:
     def _reader(
         self,
         peer: str,
-        where: dict[str, object],
+        where: Offer,
         device: int,
         host: int,
         digests: list[tuple[int, int, str]],
@@ -172,27 +172,19 @@ class PeerDevices:
 
         return read
 
-    def _holders(self, entry: str, size: int) -> list[tuple[str, dict[str, object], int]]:
+    def _holders(self, entry: str, size: int) -> list[tuple[str, Offer, int]]:
         """Other nodes' device copies of ``entry`` (peer, where, the lease of its offer), in an order of this node's
         own (nodes filling at once spread over the holders); none where etcd does not answer."""
-        prefix = self.fleet.key("devices", entry) + "/"
         try:
-            offers = self.fleet.etcd.get_prefix(prefix)
+            offers = self.fleet.store.device_offers(entry)
         except FleetUnavailableError as error:
             log.warning("fleet: %s: device copies not looked up (%s)", entry, error)
             return []
-        holders = []
-        for key in sorted(offers):
-            peer = key.removeprefix(prefix).split("/")[0]
-            if peer == self.fleet.node:
-                continue
-            with contextlib.suppress(FleetUnavailableError):
-                held = self.fleet.etcd.get_held(key)
-                if held is None:
-                    continue
-                where = json.loads(held[0])
-                if isinstance(where, dict) and where.get("size") == size and isinstance(where.get("gpu"), str):
-                    holders.append((peer, where, held[1]))
+        holders = [
+            (peer, where, lease)
+            for peer, where, lease in offers
+            if peer != self.fleet.node and where.size == size and where.gpu is not None
+        ]
         turn = zlib.crc32(self.fleet.node.encode()) % len(holders) if holders else 0
         return holders[turn:] + holders[:turn]
 
@@ -200,8 +192,8 @@ class PeerDevices:
         """Each piece of ``entry`` (offset, bytes, sha256) by the fleet's plan; None where a digest is missing (the
         pieces cannot be checked)."""
         try:
-            piece_bytes = self.fleet.agreed_plan(entry)
-            digests = self.fleet.digests(entry) if piece_bytes else {}
+            piece_bytes = self.fleet.store.plan(entry)
+            digests = self.fleet.store.digests(entry) if piece_bytes else {}
         except FleetUnavailableError as error:
             log.warning("fleet: %s: digests not read (%s)", entry, error)
             return None
@@ -215,7 +207,7 @@ class PeerDevices:
         with self._lock:
             offered = dict(self._offered)
         for (key, uuid), where in offered.items():
-            self.fleet.etcd.put(self._key(key, uuid), where, lease)
+            self.fleet.etcd.put(self._key(key, uuid), where.encode(), lease)
 
     def _key(self, key: str, uuid: str) -> str:
-        return self.fleet.key("devices", key, f"{self.fleet.node}/{uuid}")
+        return self.fleet.keys.device(key, self.fleet.node, uuid)

@@ -8,13 +8,14 @@ protobuf; the gRPC stubs would be a dependency of the daemon for five calls. The
 Example:
     >>> etcd = EtcdGateway(["http://127.0.0.1:2379"])  # doctest: +SKIP
     >>> lease = etcd.grant(10)  # doctest: +SKIP
-    >>> etcd.create("/weightstream/claims/abc/0", b"node-a", lease)  # doctest: +SKIP
-    (True, b'node-a')
+    >>> etcd.create("/weightstream/pieces/abc/0", b"node-a", lease) is None  # won  # doctest: +SKIP
+    True
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import http.client
 import json
 import ssl
@@ -37,6 +38,16 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+def _key(key: str) -> str:
+    """A key as etcd's gateway takes it (what :func:`_name` decoded from bytes that are not UTF-8 encodes back)."""
+    return _b64(key.encode("utf-8", "surrogateescape"))
+
+
+def _name(encoded: str) -> str:
+    """A key etcd returned, as text (bytes that are not UTF-8 kept as surrogates: no key name fails to decode)."""
+    return _unb64(encoded).decode("utf-8", "surrogateescape")
+
+
 def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
 
@@ -55,6 +66,15 @@ def prefix_end(prefix: bytes) -> bytes:
         return b"\0"
     end[-1] += 1
     return bytes(end)
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A key's value, the lease that holds it (0: none) and the revision of its last change."""
+
+    value: bytes
+    lease: int
+    revision: int
 
 
 class EtcdGateway:
@@ -95,7 +115,7 @@ class EtcdGateway:
 
     def put(self, key: str, value: bytes, lease: int = 0) -> None:
         """Set ``key`` to ``value`` (held by ``lease`` if not 0)."""
-        self._call("/v3/kv/put", {"key": _b64(key.encode()), "value": _b64(value), "lease": lease})
+        self._call("/v3/kv/put", {"key": _key(key), "value": _b64(value), "lease": lease})
 
     def get(self, key: str) -> bytes | None:
         """``key``'s value, or None."""
@@ -104,26 +124,33 @@ class EtcdGateway:
 
     def get_held(self, key: str) -> tuple[bytes, int] | None:
         """``key``'s value and the lease that holds it (0: none), or None."""
-        kvs = self._call("/v3/kv/range", {"key": _b64(key.encode())}).get("kvs", [])
+        kvs = self._call("/v3/kv/range", {"key": _key(key)}).get("kvs", [])
         return (_unb64(kvs[0].get("value", "")), int(kvs[0].get("lease", 0))) if kvs else None
 
     def get_prefix(self, prefix: str) -> dict[str, bytes]:
         """Every key under ``prefix`` with its value."""
-        start = prefix.encode()
+        return {key: held.value for key, held in self.get_range(prefix).items()}
+
+    def get_range(self, prefix: str) -> dict[str, Held]:
+        """Every key under ``prefix``, with its value, lease and revision."""
+        start = prefix.encode("utf-8", "surrogateescape")
         answer = self._call("/v3/kv/range", {"key": _b64(start), "range_end": _b64(prefix_end(start))})
-        return {_unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in answer.get("kvs", [])}
+        return {
+            _name(kv["key"]): Held(_unb64(kv.get("value", "")), int(kv.get("lease", 0)), int(kv.get("mod_revision", 0)))
+            for kv in answer.get("kvs", [])
+        }
 
     def delete(self, key: str) -> None:
-        self._call("/v3/kv/deleterange", {"key": _b64(key.encode())})
+        self._call("/v3/kv/deleterange", {"key": _key(key)})
 
     def delete_prefix(self, prefix: str) -> None:
-        start = prefix.encode()
+        start = prefix.encode("utf-8", "surrogateescape")
         self._call("/v3/kv/deleterange", {"key": _b64(start), "range_end": _b64(prefix_end(start))})
 
-    def create(self, key: str, value: bytes, lease: int = 0) -> tuple[bool, bytes]:
-        """Set ``key`` to ``value`` only if no key of that name exists (one of any number of callers wins); whether
-        this call did, and the value the key holds now."""
-        encoded = _b64(key.encode())
+    def create(self, key: str, value: bytes, lease: int = 0) -> Held | None:
+        """Set ``key`` to ``value`` only if no key of that name exists (of any number of callers at once, one wins);
+        None where this call did, else what the key holds (a key deleted between the two, an empty value)."""
+        encoded = _key(key)
         answer = self._call(
             "/v3/kv/txn",
             {
@@ -133,20 +160,23 @@ class EtcdGateway:
             },
         )
         if answer.get("succeeded"):
-            return True, value
+            return None
         ranges = [
             response["response_range"] for response in answer.get("responses", []) if "response_range" in response
         ]
         kvs = ranges[0].get("kvs", []) if ranges else []
-        return False, _unb64(kvs[0].get("value", "")) if kvs else b""
+        if not kvs:
+            return Held(b"", 0, 0)
+        return Held(_unb64(kvs[0].get("value", "")), int(kvs[0].get("lease", 0)), int(kvs[0].get("mod_revision", 0)))
 
-    def replace(self, key: str, expected: bytes, value: bytes, lease: int = 0) -> bool:
-        """Set ``key`` to ``value`` only if it holds ``expected`` now; whether it did."""
-        encoded = _b64(key.encode())
+    def replace_at(self, key: str, revision: int, value: bytes, lease: int = 0) -> bool:
+        """Set ``key`` to ``value`` only if its last change is still the one at ``revision`` (what a
+        :meth:`get_range` read said: of any number of callers that read it, one wins); whether this call did."""
+        encoded = _key(key)
         answer = self._call(
             "/v3/kv/txn",
             {
-                "compare": [{"key": encoded, "result": "EQUAL", "target": "VALUE", "value": _b64(expected)}],
+                "compare": [{"key": encoded, "result": "EQUAL", "target": "MOD", "mod_revision": str(revision)}],
                 "success": [{"request_put": {"key": encoded, "value": _b64(value), "lease": lease}}],
             },
         )
@@ -156,7 +186,7 @@ class EtcdGateway:
         """Delete each of ``keys`` that ``lease`` still holds, up to ``MAX_TXN_KEYS`` in one transaction (a key
         another lease holds now, taken over meanwhile, is left)."""
         for start in range(0, len(keys), MAX_TXN_KEYS):
-            chunk = [_b64(key.encode()) for key in keys[start : start + MAX_TXN_KEYS]]
+            chunk = [_key(key) for key in keys[start : start + MAX_TXN_KEYS]]
             held = [{"key": key, "result": "EQUAL", "target": "LEASE", "lease": lease} for key in chunk]
             deletes = [{"request_delete_range": {"key": key}} for key in chunk]
             if self._call("/v3/kv/txn", {"compare": held, "success": deletes}).get("succeeded"):

@@ -2,19 +2,8 @@
 and fetched by every other node from a node that holds it, so the origin serves about one copy whatever the number
 of nodes; a node that comes later fetches everything from peers.
 
-Keys (under the fleet's prefix; the entry key already holds the origin's version, so versions never mix):
-
-- ``plan/{entry}``: the entry's piece size, set by the first node to fill it (no lease: the digests depend on it);
-- ``pieces/{entry}/{piece}``: the claim (``claims.py``), under the claimer's lease;
-- ``digests/{entry}/{piece}``: the piece's sha256, written by the node that read it from the origin (no lease: it
-  outlives that node, for every later fetch to be checked);
-- ``segments/{entry}/{node}``: where ``node``'s copy of the entry is, for peers to read (under its lease);
-- ``complete/{entry}/{node}``: ``node`` holds every piece (under its lease): a late joiner's source;
-- ``failed/{entry}``: the origin changed (or failed for good) under a node: every node's fill ends with that error
-  (under a lease of its own, ``FAILED_TTL_S``: fills under way see it, a later one tries again, and finds the change
-  itself where there was one);
-- ``served/{node}/{entry}/{fetcher}``: the bytes of ``entry`` that ``fetcher`` has read from ``node`` (NIXL reads are
-  one-sided: the node that serves them never sees them, so its readers count them), under ``node``'s lease.
+Keys: ``plan/``, ``pieces/``, ``digests/``, ``segments/``, ``complete/``, ``failed/`` and ``served/`` of the entry
+(:mod:`~weightstream.nodecache.daemon.fleet.records` says what each holds, and for how long).
 
 Example:
     >>> stats = FleetFill(fleet, fetcher, server).fill(entry, fd, size, read_origin)  # doctest: +SKIP
@@ -28,7 +17,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
-import json
 import mmap
 import threading
 import time
@@ -37,6 +25,7 @@ from collections.abc import Callable
 from weightstream.errors import FleetPeerError, FleetUnavailableError, SourceChangedError, logger
 from weightstream.nodecache.daemon.fleet.claims import Claims
 from weightstream.nodecache.daemon.fleet.membership import Membership
+from weightstream.nodecache.daemon.fleet.records import Claim, Offer
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, memory_at
 from weightstream.sources.local.raw_mapping import map_file, unmap
 
@@ -86,6 +75,12 @@ class FillStats:
     read whole from the origin again."""
     bytes_from_peer_devices: int = 0
     """Of ``bytes_from_peers``, those read from a peer's device copy into this node's (GPU to GPU)."""
+    digests_corrected: int = 0
+    """Published piece digests that the origin's own bytes (read again after a peer's failed them) did not match:
+    published again as the origin's."""
+    claims_taken_over: int = 0
+    """Pieces whose claimer had not finished them in ``stall_s``: claimed by this node, read from the origin and
+    their digest published."""
 
 
 def piece_size(size: int) -> int:
@@ -109,11 +104,6 @@ def piece_spans(size: int, piece_bytes: int) -> list[tuple[int, int]]:
     return [(offset, min(piece_bytes, size - offset)) for offset in range(0, size, piece_bytes)]
 
 
-def _piece_bytes(agreed: bytes) -> int | None:
-    """The piece size the fleet's plan holds; None where it holds no sensible one."""
-    return int(agreed) if agreed.isdigit() and MIN_PIECE_BYTES // 8 <= int(agreed) <= 1 << 30 else None
-
-
 class FleetFill:
     """Fills entries with the fleet this node is a member of (``membership``), reading pieces from peers with
     ``fetcher`` and offering its own with ``server``."""
@@ -127,11 +117,11 @@ class FleetFill:
         stall_s: float = STALL_S,
     ) -> None:
         self.membership, self.fetcher, self.server = membership, fetcher, server
-        self.etcd, self.node = membership.etcd, membership.node
-        self.prefix = membership.nodes_prefix.removesuffix("nodes/")
+        self.store, self.etcd, self.node = membership.store, membership.etcd, membership.node
+        self.keys = self.store.keys
         self.piece_bytes, self.stall_s = piece_bytes, stall_s
         """The piece size this node proposes for a new entry (None: :func:`piece_size`); the first proposal wins."""
-        self._offered: dict[str, bytes] = {}
+        self._offered: dict[str, Offer] = {}
         """Each entry this node holds whole, and where peers read it (put again under a new lease)."""
         self._read_from: dict[tuple[str, str], int] = {}
         """Bytes this node has read from each (peer, entry), to report as the peer's ``served`` count."""
@@ -146,23 +136,25 @@ class FleetFill:
             FleetUnavailableError: etcd went away (the caller may fill from the origin alone).
         """
         address = map_file(fd, size, mmap.PROT_READ | mmap.PROT_WRITE)
+        entry_fill = None
         try:
             where = self.server.publish(entry, fd, size)
-            self.etcd.put(self.key("segments", entry, self.node), json.dumps(where).encode(), self.membership.lease)
+            self.etcd.put(self.keys.segment(entry, self.node), where.encode(), self.membership.lease)
             entry_fill = _EntryFill(self, entry, address, size, read_origin)
             try:
                 stats = entry_fill.run()
             finally:
                 self.report_served(entry, entry_fill.read_from)
-            self._offered[entry] = json.dumps(where).encode()
-            self.etcd.put(self.key("complete", entry, self.node), self._offered[entry], self.membership.lease)
+            self._offered[entry] = where
+            self.etcd.put(self.keys.complete(entry, self.node), where.encode(), self.membership.lease)
             return stats
         except BaseException as error:
             self.server.withdraw(entry)
             with contextlib.suppress(FleetUnavailableError):  # etcd gone: the keys go with this node's lease
-                if isinstance(error, SourceChangedError):
-                    self.etcd.put(self.key("failed", entry), str(error).encode(), self.etcd.grant(FAILED_TTL_S))
-                self.etcd.delete(self.key("segments", entry, self.node))
+                seen_here = entry_fill is None or entry_fill.reported_by is None
+                if isinstance(error, SourceChangedError) and seen_here:  # only a node that saw it reports it
+                    self.etcd.put(self.keys.failed(entry), str(error).encode(), self.etcd.grant(FAILED_TTL_S))
+                self.etcd.delete(self.keys.segment(entry, self.node))
             raise
         finally:
             unmap(address, size)
@@ -173,15 +165,7 @@ class FleetFill:
         Raises:
             FleetUnavailableError: etcd does not answer.
         """
-        prefix = f"{self.prefix}served/{self.node}/"
-        served: dict[str, int] = {}
-        for key, value in self.etcd.get_prefix(prefix).items():
-            entry = key.removeprefix(prefix).split("/")[0]
-            if not value.isdigit():
-                log.warning("fleet: %s holds %r, not a count of bytes: not counted", key, value[:40])
-                continue
-            served[entry] = served.get(entry, 0) + int(value)
-        return served
+        return self.store.served_by(self.node)
 
     def report_served(self, entry: str, read_from: dict[str, tuple[int, int]]) -> None:
         """Tell each peer this fill read from (with the lease of the peer's offer, so the count goes when it does)
@@ -189,27 +173,30 @@ class FleetFill:
         for peer, (nbytes, lease) in read_from.items():
             total = self._read_from[peer, entry] = self._read_from.get((peer, entry), 0) + nbytes
             try:
-                self.etcd.put(f"{self.prefix}served/{peer}/{entry}/{self.node}", str(total).encode(), lease)
+                self.etcd.put(self.keys.served(peer, entry, self.node), str(total).encode(), lease)
             except FleetUnavailableError as error:
                 log.info("%s: %d bytes read from %s not reported (%s)", entry, nbytes, peer, error)
 
     def offer(self, entry: str, fd: int, size: int) -> None:
         """Offer ``entry``, held whole in the file ``fd`` (a segment this node had before it joined: adopted at
         start), to the fleet as a complete copy."""
-        self._offered[entry] = json.dumps(self.server.publish(entry, fd, size)).encode()
+        self._offered[entry] = self.server.publish(entry, fd, size)
         self._offer_again(self.membership.lease, [entry])
 
     def forget(self, entry: str) -> None:
         """This node no longer holds ``entry`` (evicted): peers stop looking for it here (etcd first, so no peer
-        starts a read of it), then its NIXL registration and mapping go (a read under way fails on the reader).
+        starts a read of it: its offers, then its claims, whose pieces another node now reads from the origin), then
+        its NIXL registration and mapping go (a read under way fails on the reader).
 
         Raises:
             FleetUnavailableError: etcd was not told (the offer is withdrawn from NIXL all the same).
         """
         self._offered.pop(entry, None)
         try:
-            self.etcd.delete(self.key("complete", entry, self.node))
-            self.etcd.delete(self.key("segments", entry, self.node))
+            self.etcd.delete(self.keys.complete(entry, self.node))
+            self.etcd.delete(self.keys.segment(entry, self.node))
+            claims = Claims(self.store, self.node, lambda: self.membership.lease)
+            claims.release_all(entry, claims.mine(entry))
         finally:
             self.server.withdraw(entry)
 
@@ -218,8 +205,8 @@ class FleetFill:
         for entry in list(self._offered) if entries is None else entries:
             where = self._offered.get(entry)
             if where is not None:
-                self.etcd.put(self.key("segments", entry, self.node), where, lease)
-                self.etcd.put(self.key("complete", entry, self.node), where, lease)
+                self.etcd.put(self.keys.segment(entry, self.node), where.encode(), lease)
+                self.etcd.put(self.keys.complete(entry, self.node), where.encode(), lease)
 
     def plan(self, entry: str, size: int) -> int:
         """The piece size of ``entry`` (``size`` bytes): the one the first node to fill it chose.
@@ -228,27 +215,10 @@ class FleetFill:
             FleetUnavailableError: etcd does not answer, or holds a piece size that is not one (the caller fills
                 from the origin alone).
         """
-        proposed = self.piece_bytes or piece_size(size)
-        _, agreed = self.etcd.create(self.key("plan", entry), str(proposed).encode())
-        piece_bytes = _piece_bytes(agreed)
+        piece_bytes = self.store.propose_plan(entry, self.piece_bytes or piece_size(size))
         if piece_bytes is None:
-            raise FleetUnavailableError(f"the fleet's plan for {entry} says pieces of {agreed[:40]!r} bytes")
+            raise FleetUnavailableError(f"the fleet's plan for {entry} holds no piece size (see the log)")
         return piece_bytes
-
-    def agreed_plan(self, entry: str) -> int | None:
-        """The piece size the fleet agreed for ``entry``; None where none was (or what is there is not one)."""
-        agreed = self.etcd.get(self.key("plan", entry))
-        return None if agreed is None else _piece_bytes(agreed)
-
-    def digests(self, entry: str) -> dict[int, str]:
-        """Every published piece digest of ``entry``, by piece (one range request, not one per piece)."""
-        prefix = self.key("digests", entry) + "/"
-        found = {}
-        for key, value in self.etcd.get_prefix(prefix).items():
-            piece = key.removeprefix(prefix)
-            if piece.isdigit():
-                found[int(piece)] = value.decode()
-        return found
 
     def correct_digests(self, entry: str, address: int, size: int) -> int:
         """Publish the digest of each piece of ``entry`` as held at ``address`` (``size`` bytes, checked against the
@@ -259,33 +229,33 @@ class FleetFill:
         Raises:
             FleetUnavailableError: etcd does not answer.
         """
-        piece_bytes = self.agreed_plan(entry)
+        piece_bytes = self.store.plan(entry)
         if piece_bytes is None:
             return 0
-        published, corrected = self.digests(entry), 0
+        published, corrected = self.store.digests(entry), 0
         for piece, (offset, nbytes) in enumerate(piece_spans(size, piece_bytes)):
             sha256 = hashlib.sha256(memory_at(address + offset, nbytes)).hexdigest()
             if published.get(piece) not in (None, sha256):
-                log.warning("%s piece %d's digest corrected to the origin's: %s... was published", entry, piece,
-                            str(published[piece])[:16])  # fmt: skip
-                self.etcd.put(self.key("digests", entry, str(piece)), sha256.encode())
+                self.correct_digest(entry, piece, published[piece], sha256)
                 corrected += 1
         return corrected
 
-    def key(self, kind: str, entry: str, name: str = "") -> str:
-        """The fleet's key of ``kind`` for ``entry`` (and ``name``: a node, a piece)."""
-        return f"{self.prefix}{kind}/{entry}" + (f"/{name}" if name else "")
+    def correct_digest(self, entry: str, piece: int, published: str, sha256: str) -> None:
+        """Publish ``sha256`` (of the origin's own bytes) as ``piece``'s digest where ``published`` was."""
+        log.warning("%s piece %d's digest corrected to the origin's: %s... was published", entry, piece, published[:16])
+        self.etcd.put(self.keys.digest(entry, piece), sha256.encode())
 
 
 class _EntryFill:
     """One fill of ``entry`` into memory at ``address``: which pieces are still missing, and where each comes from.
     Pieces held by peers are fetched ``FETCH_THREADS`` at a time (one moves while another is checked), pieces this
-    node claims read from the origin ``ORIGIN_PIECES`` at a time, both at once."""
+    node claims read from the origin ``ORIGIN_PIECES`` at a time, both at once. A peer that fails once serves this
+    fill nothing more (its pieces come from another holder, else the origin)."""
 
     def __init__(self, fleet: FleetFill, entry: str, address: int, size: int, read_origin: ReadOrigin) -> None:
         self.fleet, self.entry, self.address, self.read_origin = fleet, entry, address, read_origin
         self.spans = piece_spans(size, fleet.plan(entry, size))
-        self.claims = Claims(fleet.etcd, fleet.prefix, fleet.node, fleet.membership.lease)
+        self.claims = Claims(fleet.store, fleet.node, lambda: fleet.membership.lease)
         self.stats = FillStats()
         self.read_from: dict[str, tuple[int, int]] = {}
         """Bytes read from each peer, and the lease of that peer's offer."""
@@ -293,6 +263,10 @@ class _EntryFill:
         self._waiting_since: dict[int, float] = {}
         self.claimed: set[int] = set()
         """The pieces this fill holds the claim of (released together where it fails)."""
+        self.failed_peers: set[str] = set()
+        """Peers that failed this fill once: asked for nothing more in it."""
+        self.reported_by: str | None = None
+        """Another node's report that the origin changed, where that is what ended this fill (not re-reported)."""
 
     def run(self) -> FillStats:
         """Fill every piece; where anything fails (the origin, a cancel at shutdown, etcd), this node's claims of the
@@ -327,13 +301,14 @@ class _EntryFill:
                     self._check_failed()
                     if waiting := pending - moving.keys():
                         records, holders = self.claims.pieces(self.entry), self._complete_holders()
-                        digests = self.fleet.digests(self.entry) if holders else {}
+                        digests = self.fleet.store.digests(self.entry) if holders else {}
                     for piece in sorted(waiting):
-                        peer = self._peer_for(piece, records.get(piece), holders, digests)
+                        record = records.get(piece)
+                        peer = self._peer_for(piece, record and record[0], holders, digests)
                         if peer is not None:
                             moving[piece] = peers.submit(self._fetch, piece, *peer)
-                        elif len(from_origin) < ORIGIN_PIECES and (why := self._origin_turn(piece, records.get(piece))):
-                            moving[piece] = origin.submit(self._read_from_origin, piece, why)
+                        elif len(from_origin) < ORIGIN_PIECES and (why := self._origin_turn(piece, record)):
+                            moving[piece] = origin.submit(self._read_from_origin, piece, why, record and record[0])
                             from_origin.add(piece)
                     if not moving:
                         time.sleep(POLL_S)
@@ -355,67 +330,89 @@ class _EntryFill:
         return self.stats
 
     def _peer_for(
-        self, piece: int, record: dict[str, object] | None, holders: list[str], digests: dict[int, str]
+        self, piece: int, claim: Claim | None, holders: list[str], digests: dict[int, str]
     ) -> tuple[str, str] | None:
         """(peer, sha256) to fetch ``piece`` from now: a node holding the whole entry (a late joiner's way), else the
-        node that read the piece from the origin; None when no peer has it yet."""
+        node that read the piece from the origin; None when no peer (that has not failed this fill) has it yet."""
+        holders = [holder for holder in holders if holder not in self.failed_peers]
         if holders and piece in digests:
             return holders[piece % len(holders)], digests[piece]
-        if record is not None and record.get("state") == "done" and record.get("node") != self.fleet.node:
-            return str(record["node"]), str(record["sha256"])
+        if claim is not None and claim.state == "done" and claim.node not in (self.fleet.node, *self.failed_peers):
+            return claim.node, str(claim.sha256)
         return None
 
-    def _origin_turn(self, piece: int, record: dict[str, object] | None) -> str | None:
-        """Why this node reads ``piece`` from the origin now: ``"claimed"`` (it won the claim, or holds it), or
-        ``"stalled"`` (its claimer has not finished it in ``stall_s``); None: not this node's to read (yet)."""
+    def _origin_turn(self, piece: int, record: tuple[Claim, int] | None) -> str | None:
+        """Why this node reads ``piece`` from the origin now: ``"claimed"`` (it won the claim, holds it, or took over
+        a claim stalled for ``stall_s``), ``"refetched"`` (the piece is done, on a peer that failed this fill); None:
+        not this node's to read (yet)."""
         if record is None:
-            won, record = self.claims.claim(self.entry, piece)
+            won, claim = self.claims.claim(self.entry, piece)
             if not won:
                 return None
-        if record.get("node") == self.fleet.node:
+        else:
+            claim = record[0]
+        if claim.node == self.fleet.node:
             self.claimed.add(piece)
             return "claimed"
+        if claim.state == "done":
+            return "refetched" if claim.node in self.failed_peers else None
         started = self._waiting_since.setdefault(piece, time.monotonic())
-        if time.monotonic() - started < self.fleet.stall_s:
+        if record is None or time.monotonic() - started < self.fleet.stall_s:
             return None
-        log.warning("%s piece %d: claimed by %s for %.0f s and not done: reading it from the origin", self.entry,
-                    piece, record.get("node"), self.fleet.stall_s)  # fmt: skip
-        return "stalled"
+        self._waiting_since.pop(piece)
+        if not self.claims.take_over(self.entry, piece, record[1]):
+            return None  # the claimer finished, or another node took it over: look again
+        log.warning("%s piece %d: claimed by %s for %.0f s and not done: claimed here, read from the origin",
+                    self.entry, piece, claim.node, self.fleet.stall_s)  # fmt: skip
+        self.claimed.add(piece)
+        self._count(claims_taken_over=1)
+        return "claimed"
 
-    def _read_from_origin(self, piece: int, why: str) -> None:
-        """Read ``piece`` from the origin; a claimed piece's digest is published for the others to check it by."""
+    def _read_from_origin(self, piece: int, why: str, claim: Claim | None) -> None:
+        """Read ``piece`` from the origin; a claimed piece's digest is published for the others to check it by (a
+        done piece's is checked, and corrected where the origin's bytes say otherwise)."""
         offset, nbytes = self.spans[piece]
         self.read_origin(offset, nbytes, self.address + offset)
-        if why == "stalled":
-            self._count(pieces_refetched=1, bytes_refetched=nbytes)
-            return
         sha256 = hashlib.sha256(memory_at(self.address + offset, nbytes)).hexdigest()
-        self.fleet.etcd.put(self.fleet.key("digests", self.entry, str(piece)), sha256.encode())
+        if why == "refetched":
+            self._count(pieces_refetched=1, bytes_refetched=nbytes)
+            if claim is not None and claim.sha256 != sha256:
+                self._correct(piece, str(claim.sha256), sha256)
+            return
+        self.fleet.etcd.put(self.fleet.keys.digest(self.entry, piece), sha256.encode())
         self.claims.done(self.entry, piece, sha256)
         self._count(bytes_from_origin=nbytes)
 
     def _fetch(self, piece: int, peer: str, sha256: str) -> None:
-        """``piece`` from ``peer``, checked against ``sha256``; from the origin where the peer fails."""
+        """``piece`` from ``peer``, checked against ``sha256``; from the origin where the peer fails (the peer then
+        serves this fill nothing more)."""
         offset, nbytes = self.spans[piece]
-        offered = self.fleet.etcd.get_held(self.fleet.key("segments", self.entry, peer))
         try:
+            offered = self.fleet.store.offer(self.fleet.keys.segment(self.entry, peer))
             if offered is None:
-                raise FleetPeerError(f"{peer}: no longer in the fleet")
+                raise FleetPeerError(f"{peer}: no longer offers it")
             where, lease = offered
-            self.fleet.fetcher.read(peer, json.loads(where), offset, nbytes, self.address + offset, sha256)
+            self.fleet.fetcher.read(peer, where, offset, nbytes, self.address + offset, sha256)
         except FleetPeerError as error:
+            with self._lock:
+                self.failed_peers.add(peer)
             self.fleet.fetcher.forget(peer)
-            log.warning("%s piece %d: %s; reading it from the origin", self.entry, piece, error)
+            log.warning("%s piece %d: %s; reading it from the origin (and nothing more from %s in this fill)",
+                        self.entry, piece, error, peer)  # fmt: skip
             self.read_origin(offset, nbytes, self.address + offset)
-            if hashlib.sha256(memory_at(self.address + offset, nbytes)).hexdigest() != sha256:
-                raise SourceChangedError(
-                    f"{self.entry} piece {piece}: the origin's bytes no longer hash to what its claimer read"
-                ) from None
+            if (origin := hashlib.sha256(memory_at(self.address + offset, nbytes)).hexdigest()) != sha256:
+                self._correct(piece, sha256, origin)
             self._count(peer_failures=1, pieces_refetched=1, bytes_refetched=nbytes)
             return
         self._count(bytes_from_peers=nbytes, pieces_verified=1)
         with self._lock:
             self.read_from[peer] = (self.read_from.get(peer, (0, 0))[0] + nbytes, lease)
+
+    def _correct(self, piece: int, published: str, sha256: str) -> None:
+        """The origin's own bytes of ``piece`` (read pinned to the entry's version: a changed origin raises) hash to
+        ``sha256``, not to the ``published`` digest: the digest is wrong, not the origin. Publish the origin's."""
+        self.fleet.correct_digest(self.entry, piece, published, sha256)
+        self._count(digests_corrected=1)
 
     def _count(self, **counts: int) -> None:
         with self._lock:
@@ -424,13 +421,10 @@ class _EntryFill:
 
     def _complete_holders(self) -> list[str]:
         """The other nodes holding the whole entry."""
-        prefix = self.fleet.key("complete", self.entry) + "/"
-        holders = (key.removeprefix(prefix) for key in self.fleet.etcd.get_prefix(prefix))
-        return sorted(holder for holder in holders if holder != self.fleet.node)
+        return [holder for holder in self.fleet.store.holders(self.entry) if holder != self.fleet.node]
 
     def _check_failed(self) -> None:
-        failed = self.fleet.etcd.get(self.fleet.key("failed", self.entry))
-        if failed is not None:
-            raise SourceChangedError(
-                f"{self.entry}: another node of the fleet found the origin changed: {failed.decode()}"
-            )
+        reason = self.fleet.store.failed(self.entry)
+        if reason is not None:
+            self.reported_by = reason
+            raise SourceChangedError(f"{self.entry}: another node of the fleet found the origin changed: {reason}")

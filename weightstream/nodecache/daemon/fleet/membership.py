@@ -1,20 +1,21 @@
-"""This node's place in the fleet: a key under the fleet's prefix, held by a lease the node keeps alive. A node
-that dies (or loses etcd for longer than the lease) drops out by itself, and every claim it held with it.
+"""This node's place in the fleet: a key under the fleet's prefix (``nodes/{node}``), held by a lease the node keeps
+alive. A node that dies (or loses etcd for longer than the lease) drops out by itself, and every claim it held with
+it. A name is one node's: a second daemon asking for a name a live node holds is refused, naming that node's lease.
 
 Example:
-    >>> member = Membership(etcd, "/weightstream", "node-a", {"address": "10.0.0.5"})  # doctest: +SKIP
+    >>> member = Membership(store, "node-a")  # doctest: +SKIP
     >>> sorted(member.peers())  # doctest: +SKIP
     ['node-a', 'node-b']
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
 
-from weightstream.errors import FleetUnavailableError, logger
-from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
+from weightstream.errors import CacheConfigError, FleetUnavailableError, logger
+from weightstream.nodecache.daemon.fleet.record_store import RecordStore
+from weightstream.nodecache.daemon.fleet.records import NodeRecord
 
 log = logger(__name__)
 
@@ -23,32 +24,28 @@ LEASE_TTL_S = 10
 
 
 class Membership:
-    """Node ``node`` of the fleet at ``prefix`` in ``etcd``, described by ``description`` (how peers reach it), for
-    as long as the object lives: registered at once, renewed every third of the lease, revoked by :meth:`close`.
+    """Node ``node`` of the fleet of ``store``, for as long as the object lives: registered at once, renewed every
+    third of the lease, revoked by :meth:`close`.
 
     Raises:
+        CacheConfigError: a live node holds the name ``node`` already (the message names its lease).
         FleetUnavailableError: etcd does not answer at start.
     """
 
-    def __init__(
-        self, etcd: EtcdGateway, prefix: str, node: str, description: dict[str, object], ttl_s: int = LEASE_TTL_S
-    ) -> None:
-        self.etcd, self.node, self.ttl_s = etcd, node, ttl_s
-        self.nodes_prefix = f"{prefix.rstrip('/')}/nodes/"
-        self._description = json.dumps({"node": node, **description}).encode()
+    def __init__(self, store: RecordStore, node: str, ttl_s: int = LEASE_TTL_S) -> None:
+        self.store, self.etcd, self.node, self.ttl_s = store, store.etcd, node, ttl_s
         self._stop = threading.Event()
         self.on_registered_again: list[Callable[[int], None]] = []
-        """Each called with the new lease after the node registered again (its keys under the old lease are gone)."""
+        """Each called with the new lease after the node registered again (its keys under the old lease are gone);
+        one that fails (etcd went away again) is called again at each renewal until it succeeds."""
+        self._pending: list[Callable[[int], None]] = []
         self.lease = self._register()
         self._renewer = threading.Thread(target=self._renew, name="weightstream-fleet-lease", daemon=True)
         self._renewer.start()
 
-    def peers(self) -> dict[str, dict[str, object]]:
-        """The live nodes (this one included) and their descriptions."""
-        return {
-            key.removeprefix(self.nodes_prefix): json.loads(value)
-            for key, value in self.etcd.get_prefix(self.nodes_prefix).items()
-        }
+    def peers(self) -> dict[str, NodeRecord]:
+        """The live nodes (this one included), by name."""
+        return self.store.nodes()
 
     def close(self) -> None:
         """Leave the fleet: stop renewing and revoke the lease (this node's claims go with it)."""
@@ -61,7 +58,13 @@ class Membership:
 
     def _register(self) -> int:
         lease = self.etcd.grant(self.ttl_s)
-        self.etcd.put(self.nodes_prefix + self.node, self._description, lease)
+        held = self.etcd.create(self.store.keys.node(self.node), NodeRecord(self.node).encode(), lease)
+        if held is not None:
+            self.etcd.revoke(lease)
+            raise CacheConfigError(
+                f"--fleet-node {self.node}: a live node of the fleet has this name (its lease {held.lease:x}): give "
+                "each daemon a name of its own (two daemons on one host share its host name, the default)"
+            )
         return lease
 
     def _renew(self) -> None:
@@ -71,8 +74,8 @@ class Membership:
                 if self.etcd.keepalive(self.lease) == 0:
                     log.warning("fleet lease of %s expired (etcd was out of reach): registering again", self.node)
                     self.lease = self._register()
-                    for offer_again in self.on_registered_again:
-                        offer_again(self.lease)
+                    self._pending = list(self.on_registered_again)
+                self._call_pending()
                 if unreachable:
                     log.warning("fleet: etcd answers again")
                 unreachable = False
@@ -80,3 +83,12 @@ class Membership:
                 if not unreachable:
                     log.warning("fleet: cannot renew %s's lease: %s", self.node, error)
                 unreachable = True
+            except CacheConfigError as error:  # another daemon took the name while this one was out of reach
+                log.error("fleet: %s; this node stays out of the fleet until it is restarted", error)
+                return
+
+    def _call_pending(self) -> None:
+        """Call each callback still owed the current lease; one that fails stays owed (and the error goes on)."""
+        while self._pending:
+            self._pending[0](self.lease)
+            self._pending.pop(0)

@@ -13,7 +13,6 @@ import concurrent.futures
 import dataclasses
 import mmap
 import os
-import re
 import ssl
 import threading
 import urllib.parse
@@ -25,6 +24,8 @@ from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill, ReadOrigin
 from weightstream.nodecache.daemon.fleet.membership import Membership
 from weightstream.nodecache.daemon.fleet.origin_digest import check_held
+from weightstream.nodecache.daemon.fleet.record_store import RecordStore
+from weightstream.nodecache.daemon.fleet.records import NAME
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, memory_at, nixl
 from weightstream.nodecache.daemon.segments import FILL_CHUNK_BYTES, Segment, read_piece
 from weightstream.sources import REMOTE_SCHEMES
@@ -103,10 +104,6 @@ def tls_context(
     return context
 
 
-NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
-"""A node's name: a host name's characters (it is a part of etcd key paths: no ``/``, nothing to escape)."""
-
-
 def check_node_name(node: str) -> None:
     """Refuse a node name that would break the fleet's key paths.
 
@@ -121,7 +118,7 @@ def check_node_name(node: str) -> None:
         ...
         weightstream.errors.CacheConfigError: --fleet-node 'a/b': a name of letters, digits, '.', '_' and '-' (as a ...
     """
-    if not NODE_NAME.fullmatch(node):
+    if not NAME.fullmatch(node):
         raise CacheConfigError(
             f"--fleet-node {node[:80]!r}: a name of letters, digits, '.', '_' and '-' (as a host name), at most 253"
         )
@@ -139,20 +136,15 @@ def describe_fleet(address: FleetAddress, tls: ssl.SSLContext | None = None) -> 
 
 
 def _described(etcd: EtcdGateway, address: FleetAddress) -> dict[str, object]:
-    prefix = address.prefix.rstrip("/") + "/"
-    nodes = {
-        key.removeprefix(prefix + "nodes/"): {"complete": [], "filling": [], "devices": []}
-        for key in etcd.get_prefix(prefix + "nodes/")
+    store = RecordStore(etcd, address.prefix)
+    nodes: dict[str, dict[str, list[str]]] = {
+        node: {"complete": [], "filling": [], "devices": []} for node in store.nodes()
     }
-    complete = {
-        tuple(key.removeprefix(prefix + "complete/").split("/")) for key in etcd.get_prefix(prefix + "complete/")
-    }
-    for key in etcd.get_prefix(prefix + "segments/"):
-        entry, node = key.removeprefix(prefix + "segments/").split("/")
+    segments, complete, devices = store.filling_and_complete()
+    for entry, node in sorted(segments):
         if node in nodes:
             nodes[node]["complete" if (entry, node) in complete else "filling"].append(entry)
-    for key in etcd.get_prefix(prefix + "devices/"):
-        entry, node, gpu = key.removeprefix(prefix + "devices/").split("/")
+    for entry, node, gpu in sorted(devices):
         if node in nodes:
             nodes[node]["devices"].append(f"{entry} {gpu}")
     return {"prefix": address.prefix, "endpoints": list(address.endpoints), "nodes": nodes}
@@ -175,13 +167,13 @@ class FleetNode:
         """Join the fleet at ``address`` as ``node``.
 
         Raises:
-            CacheConfigError: NIXL is not installed (with the hint).
+            CacheConfigError: NIXL is not installed (with the hint), or a live node of the fleet has the name.
             FleetUnavailableError: etcd does not answer.
         """
         check_node_name(node)
         nixl()
         etcd = EtcdGateway(address.endpoints, tls)
-        membership = Membership(etcd, address.prefix, node, {})
+        membership = Membership(RecordStore(etcd, address.prefix), node)
         server = PieceServer(node)
         return cls(FleetFill(membership, PieceFetcher(node), server), membership, server)
 
@@ -320,7 +312,7 @@ class FleetNode:
             counts.setdefault("bytes_served_to_peers", 0 if served is not None else None)
         total = None if served is None else sum(served.values())
         return {"node": self.membership.node, **counters, "bytes_served_to_peers": total, "etcd_error": trouble,
-                "entries": entries}  # fmt: skip
+                "bad_records": self.membership.store.bad_records, "entries": entries}  # fmt: skip
 
     def close(self) -> None:
         """Leave the fleet (the lease revoked: every claim and offer of this node goes with it)."""

@@ -28,6 +28,7 @@ import time
 from types import ModuleType
 
 from weightstream.errors import CacheConfigError, FleetPeerError, logger
+from weightstream.nodecache.daemon.fleet.records import Offer
 from weightstream.sources.local.raw_mapping import blank, map_file, unmap
 
 log = logger(__name__)
@@ -40,8 +41,6 @@ PROGRESS_WAIT_US = 5000
 """How long NIXL's UCX progress thread waits for its workers' events before it looks anyway. ``nixl_agent`` sets 0,
 and the thread then spins: measured here (nixl-cu12 1.5.1), an idle agent kept 100% of a CPU busy, a fleet daemon
 (two agents) 198%; with 1 ms 2%, and a 256 MiB read ran as fast (0.9-1.07 GB/s over loopback TCP either way)."""
-MEMORY_KINDS = ("DRAM", "VRAM")
-"""What a node offers: host memory (segments) and device memory (device copies, ``weightstream...fleet.devices``)."""
 _CONFIG_LOCK = threading.Lock()
 
 
@@ -104,7 +103,7 @@ class PieceServer:
         """Withdrawn segments' mappings, zero pages now: when each may be unmapped, its address and size."""
         self._lock = threading.Lock()
 
-    def publish(self, key: str, fd: int, size: int) -> dict[str, object]:
+    def publish(self, key: str, fd: int, size: int) -> Offer:
         """Offer segment ``key`` (the file ``fd``, ``size`` bytes) to peers; where they read it: its address, its size
         and the agent metadata a peer loads to reach it (this registration and how to connect, hex)."""
         address = map_file(fd, size, mmap.PROT_READ)
@@ -114,19 +113,17 @@ class PieceServer:
             unmap(address, size)
             raise
 
-    def publish_memory(self, key: str, address: int, size: int, memory: str, device: int) -> dict[str, object]:
+    def publish_memory(self, key: str, address: int, size: int, memory: str, device: int) -> Offer:
         """Offer ``size`` bytes at ``address`` as ``key``: memory of kind ``memory`` (``"VRAM"``: device ``device``'s,
         a device copy mapped read-only; ``"DRAM"``), which stays the caller's to unmap after :meth:`withdraw`."""
         return self._register(key, address, size, memory, device, mapped_here=False)
 
-    def _register(
-        self, key: str, address: int, size: int, memory: str, device: int, *, mapped_here: bool
-    ) -> dict[str, object]:
+    def _register(self, key: str, address: int, size: int, memory: str, device: int, *, mapped_here: bool) -> Offer:
         registration = self._agent.register_memory([(address, size, device, "")], memory)  # type: ignore[attr-defined]
         with self._lock:
             self._published[key] = (address, size, registration, mapped_here)
         metadata = self._agent.get_partial_agent_metadata(registration, True)  # type: ignore[attr-defined]
-        return {"address": address, "size": size, "memory": memory, "device": device, "metadata": bytes(metadata).hex()}
+        return Offer(address, size, memory, device, bytes(metadata).hex())
 
     def withdraw(self, key: str) -> None:
         """Stop offering ``key`` (evicted): peers reading it from now on fail and go elsewhere. A segment this server
@@ -180,7 +177,7 @@ class PieceFetcher:
     def read(
         self,
         peer: str,
-        where: dict[str, object],
+        where: Offer,
         offset: int,
         nbytes: int,
         destination: int,
@@ -195,19 +192,11 @@ class PieceFetcher:
         Raises:
             FleetPeerError: the peer failed, stalled past the timeout, or the bytes are not the piece.
         """
-        size, remote_address = int(where["size"]), int(where["address"])  # type: ignore[call-overload]
-        if offset < 0 or offset + nbytes > size:
-            raise FleetPeerError(f"{peer}: bytes {offset}..{offset + nbytes} lie outside its {size}-byte segment")
-        remote_memory, remote_device = where.get("memory", "DRAM"), where.get("device", 0)
-        if remote_memory not in MEMORY_KINDS or not isinstance(remote_device, int) or remote_device < 0:
-            raise FleetPeerError(
-                f"{peer}: its offer names memory {remote_memory!r:.20} on device {remote_device!r:.20}"
-            )
-        remote = (remote_address, str(remote_memory), remote_device)
+        if offset < 0 or offset + nbytes > where.size:
+            raise FleetPeerError(f"{peer}: bytes {offset}..{offset + nbytes} lie outside its {where.size}-byte offer")
+        remote = (where.address, where.memory, where.device)
         with self._lock:
-            self._transfer(
-                peer, bytes.fromhex(str(where["metadata"])), remote, offset, nbytes, (destination, memory, device)
-            )
+            self._transfer(peer, bytes.fromhex(where.metadata), remote, offset, nbytes, (destination, memory, device))
         if sha256 is not None:
             got = hashlib.sha256(memory_at(destination, nbytes)).hexdigest()
             if got != sha256:

@@ -1,0 +1,164 @@
+"""The fleet's records in etcd, read as typed records (:mod:`~weightstream.nodecache.daemon.fleet.records`) and
+written in their one encoding. A key or value that does not parse is skipped and counted (``bad_records``, shown by
+``stats`` as ``fleet.bad_records``), and its key logged once, escaped: a broken or hostile member's writes never
+fail a load here, they only leave this node less to fetch from peers.
+
+Example:
+    >>> store = RecordStore(etcd, "/weightstream")  # doctest: +SKIP
+    >>> store.claims("3f2a...")  # doctest: +SKIP
+    {0: Claim(node='node-a', state='done', sha256='9f2c...')}
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from weightstream.errors import logger
+from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway, Held
+from weightstream.nodecache.daemon.fleet.records import (
+    Claim,
+    FleetKeys,
+    NodeRecord,
+    Offer,
+    UnparsableRecord,
+    parse_claim,
+    parse_count,
+    parse_digest,
+    parse_node,
+    parse_offer,
+    parse_plan,
+    parse_reason,
+)
+
+log = logger(__name__)
+
+Record = TypeVar("Record")
+MAX_LOGGED = 1000
+"""Bad keys remembered (each logged once); past that, a bad key is counted, not logged."""
+
+
+class RecordStore:
+    """The records under ``prefix`` in ``etcd``, typed (see the module's docstring)."""
+
+    def __init__(self, etcd: EtcdGateway, prefix: str) -> None:
+        self.etcd, self.keys = etcd, FleetKeys(prefix)
+        self.bad_records = 0
+        """Keys and values skipped because they did not parse, since this store was made."""
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    def skip(self, key: str, why: str) -> None:
+        """Count ``key`` as a record that does not parse (``why``), logged the first time it is seen."""
+        with self._lock:
+            self.bad_records += 1
+            first = key not in self._logged and len(self._logged) < MAX_LOGGED
+            if first:
+                self._logged.add(key)
+        if first:
+            log.warning("fleet: %s skipped: %s", ascii(key)[:300], why)
+
+    def parsed(self, key: str, value: bytes, parse: Callable[[bytes], Record]) -> Record | None:
+        """``value`` (of ``key``) parsed by ``parse``; None, counted, where it does not parse."""
+        try:
+            return parse(value)
+        except UnparsableRecord as error:
+            self.skip(key, str(error))
+            return None
+
+    def _range(self, under: str, count: int, parse: Callable[[bytes], Record]) -> dict[tuple[str, ...], Held]:
+        """The keys under ``under`` of ``count`` names whose values parse, by their names (values left as read)."""
+        found = {}
+        for key, held in self.etcd.get_range(under).items():
+            try:
+                names = FleetKeys.names(under, key, count)
+                parse(held.value)
+            except UnparsableRecord as error:
+                self.skip(key, str(error))
+                continue
+            found[names] = held
+        return found
+
+    def nodes(self) -> dict[str, NodeRecord]:
+        """The live nodes, by name."""
+        nodes = self._range(self.keys.node(), 1, parse_node)
+        return {names[0]: parse_node(held.value) for names, held in nodes.items()}
+
+    def claims(self, entry: str) -> dict[int, tuple[Claim, int]]:
+        """The claims of ``entry``'s pieces by piece: each claim, and the revision it was last changed at."""
+        under, found = self.keys.claims(entry), {}
+        for key, held in self.etcd.get_range(under).items():
+            try:
+                found[FleetKeys.piece(under, key)] = (parse_claim(held.value), held.revision)
+            except UnparsableRecord as error:
+                self.skip(key, str(error))
+        return found
+
+    def claim(self, entry: str, piece: int, claim: Claim, lease: int) -> Claim | None:
+        """Claim ``piece`` of ``entry`` (None: this call won), else the claim that holds it (None where that does
+        not parse: counted, and the piece is not this node's to read)."""
+        held = self.etcd.create(self.keys.claim(entry, piece), claim.encode(), lease)
+        if held is None:
+            return None
+        return self.parsed(self.keys.claim(entry, piece), held.value, parse_claim) or Claim("", "unparsable")
+
+    def digests(self, entry: str) -> dict[int, str]:
+        """Every published piece digest of ``entry``, by piece (one range request)."""
+        under, found = self.keys.digests(entry), {}
+        for key, held in self.etcd.get_range(under).items():
+            try:
+                found[FleetKeys.piece(under, key)] = parse_digest(held.value)
+            except UnparsableRecord as error:
+                self.skip(key, str(error))
+        return found
+
+    def plan(self, entry: str) -> int | None:
+        """The piece size the fleet agreed for ``entry``; None where none was (or what is there does not parse)."""
+        key = self.keys.plan(entry)
+        value = self.etcd.get(key)
+        return None if value is None else self.parsed(key, value, parse_plan)
+
+    def propose_plan(self, entry: str, piece_bytes: int) -> int | None:
+        """Propose pieces of ``piece_bytes`` for ``entry``; the agreed size (the first proposal's), None where what
+        etcd holds does not parse."""
+        key = self.keys.plan(entry)
+        held = self.etcd.create(key, str(piece_bytes).encode())
+        return piece_bytes if held is None else self.parsed(key, held.value, parse_plan)
+
+    def offer(self, key: str) -> tuple[Offer, int] | None:
+        """The offer at ``key`` (a segment's, a whole copy's or a device copy's) and its lease; None where there is
+        none, or it does not parse."""
+        held = self.etcd.get_held(key)
+        if held is None:
+            return None
+        offer = self.parsed(key, held[0], parse_offer)
+        return None if offer is None else (offer, held[1])
+
+    def holders(self, entry: str) -> list[str]:
+        """The nodes whose ``complete/`` offer of ``entry`` parses, sorted."""
+        return sorted(names[0] for names in self._range(self.keys.complete(entry), 1, parse_offer))
+
+    def device_offers(self, entry: str) -> list[tuple[str, Offer, int]]:
+        """Every device copy of ``entry`` offered (node, offer, the lease of the offer), sorted by key."""
+        offers = self._range(self.keys.device(entry), 2, parse_offer)
+        return [(names[0], parse_offer(offers[names].value), offers[names].lease) for names in sorted(offers)]
+
+    def failed(self, entry: str) -> str | None:
+        """Why a node found ``entry``'s origin changed, where one did."""
+        value = self.etcd.get(self.keys.failed(entry))
+        return None if value is None else parse_reason(value)
+
+    def served_by(self, node: str) -> dict[str, int]:
+        """The bytes of each entry ``node``'s peers report having read from it."""
+        served: dict[str, int] = {}
+        for (entry, _), held in self._range(self.keys.served(node), 2, parse_count).items():
+            served[entry] = served.get(entry, 0) + parse_count(held.value)
+        return served
+
+    def filling_and_complete(self) -> tuple[set[tuple[str, str]], set[tuple[str, str]], set[tuple[str, str, str]]]:
+        """Every (entry, node) offered as a segment and as a whole copy, and every (entry, node, gpu) device copy."""
+        segments = set(self._range(self.keys.family("segments"), 2, parse_offer))
+        complete = set(self._range(self.keys.family("complete"), 2, parse_offer))
+        devices = set(self._range(self.keys.family("devices"), 3, parse_offer))
+        return segments, complete, devices  # type: ignore[return-value]
