@@ -139,6 +139,62 @@ def test_the_gateway_answers_to_something_else_are_refused(tmp_path: Path):
         thread.join()
 
 
+def test_an_answer_that_trickles_fails_at_the_whole_request_deadline(monkeypatch: pytest.MonkeyPatch):
+    """A server that sends its answer a byte at a time, each well inside the silence timeout, is given up at the
+    whole-request deadline (before: every fleet call, ``cache fleet`` included, hung for as long as it trickled);
+    the watchdog's thread ends when no request is under way, and the socket is closed."""
+    import http.server
+    import threading
+
+    from weightstream.nodecache.daemon.fleet import etcd as etcd_module
+
+    monkeypatch.setattr(etcd_module, "REQUEST_DEADLINE_S", 1.5)
+    monkeypatch.setattr(etcd_module, "WATCHDOG_LINGER_S", 0.2)
+    stop = threading.Event()
+
+    class Trickling(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            while not stop.wait(0.2):
+                try:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                except OSError:
+                    return
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickling)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+
+    def watchdogs() -> int:
+        return sum(thread.name == "weightstream-etcd-deadline" for thread in threading.enumerate())
+
+    before = watchdogs()  # other tests' gateways may still have theirs for a moment
+    try:
+        gateway = EtcdGateway([f"http://127.0.0.1:{port}"])
+        started = time.monotonic()
+        with pytest.raises(FleetUnavailableError, match=r"/v3/kv/range: .*TimeoutError: no whole answer in 2 s"):
+            gateway.get("/key")
+        assert 1.4 < time.monotonic() - started < 5, "not the whole-request deadline"
+        deadline = time.monotonic() + 5
+        while watchdogs() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watchdogs() <= before, "the watchdog's thread stayed"
+        assert connections_to(port) == [], "the given-up connection was kept"
+        gateway.close()
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
 def connections_to(port: int) -> list[str]:
     """The TCP states of this process's sockets connected to ``port`` on this machine (``01``: established)."""
     inodes = set()

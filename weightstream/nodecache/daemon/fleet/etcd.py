@@ -15,19 +15,31 @@ Example:
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import http.client
+import itertools
 import json
+import socket
 import ssl
 import threading
+import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Self
 
 from weightstream.errors import CacheConfigError, FleetUnavailableError
 
 REQUEST_TIMEOUT_S = 5.0
-"""A request to etcd that has not answered in this long fails over to the next endpoint."""
+"""A request to etcd whose connection has been silent this long fails over to the next endpoint."""
+REQUEST_DEADLINE_S = 10.0
+"""A request to etcd that has not been answered whole in this long fails over to the next endpoint, however its
+answer trickles in (a byte every few seconds defeats the silence timeout, and would hang every fleet call)."""
+EXPIRED_TIMEOUT_S = 0.001
+"""What is left to each read of a request past its deadline (Linux still delivers a peer's bytes that arrive after
+``shutdown``: a trickle would otherwise go on being read)."""
+WATCHDOG_LINGER_S = 1.0
+"""How long the deadline watchdog's thread waits for the next request before it ends (started again on demand)."""
 MAX_IDLE = 8
 """Connections kept open to each endpoint between calls (threads calling at once open more, closed after)."""
 MAX_TXN_KEYS = 64
@@ -77,6 +89,61 @@ class Held:
     revision: int
 
 
+class _Watchdog:
+    """Ends requests that run past their deadline: their socket is shut down and left no time to wait, so the
+    thread reading it fails at its next read. One thread for every request of a gateway, running only while
+    requests are under way (and ``WATCHDOG_LINGER_S`` after)."""
+
+    def __init__(self) -> None:
+        self._due: dict[int, tuple[float, socket.socket]] = {}
+        self._expired: set[int] = set()
+        self._tokens = itertools.count()
+        self._wake = threading.Condition()
+        self._running = False
+
+    @contextlib.contextmanager
+    def watch(self, connected: socket.socket, seconds: float) -> Iterator[None]:
+        """Run the block's request on the socket ``connected``; past ``seconds``, it fails with
+        :class:`TimeoutError`."""
+        token = next(self._tokens)
+        with self._wake:
+            self._due[token] = (time.monotonic() + seconds, connected)
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="weightstream-etcd-deadline", daemon=True).start()
+            self._wake.notify()
+        try:
+            yield
+        except Exception:
+            if token not in self._expired:
+                raise
+        finally:
+            with self._wake:
+                self._due.pop(token, None)
+                expired = token in self._expired
+                self._expired.discard(token)
+                self._wake.notify()  # the thread waits for the next deadline: it may be none now
+        if expired:
+            raise TimeoutError(f"no whole answer in {seconds:.0f} s")
+
+    def _run(self) -> None:
+        with self._wake:
+            while True:
+                now = time.monotonic()
+                for token, (deadline, connected) in self._due.items():
+                    if deadline <= now and token not in self._expired:
+                        self._expired.add(token)
+                        with contextlib.suppress(OSError):  # a blocked read wakes; the next finds no time left
+                            connected.settimeout(EXPIRED_TIMEOUT_S)
+                            connected.shutdown(socket.SHUT_RDWR)
+                pending = [deadline for token, (deadline, _) in self._due.items() if token not in self._expired]
+                if pending:
+                    self._wake.wait(min(pending) - now)
+                elif not self._wake.wait(WATCHDOG_LINGER_S) and all(token in self._expired for token in self._due):
+                    self._running = False
+                    return
+
+
 class EtcdGateway:
     """etcd at ``endpoints`` (``http://host:port`` or ``https://``; the first that answers is used, the next on a
     failure). ``tls`` is the context for ``https://`` endpoints (a CA and, for client certificates, a key pair).
@@ -99,6 +166,7 @@ class EtcdGateway:
         """Each endpoint's connections not in use, kept for the next calls (over TLS a new connection's handshake
         cost 1.25 ms of CPU here, five times the call itself, and etcd pays as much again)."""
         self._lock = threading.Lock()
+        self._watchdog = _Watchdog()
 
     def grant(self, ttl_s: int) -> int:
         """A new lease of ``ttl_s`` seconds; its id."""
@@ -241,9 +309,12 @@ class EtcdGateway:
             idle = self._idle.get(endpoint.geturl(), [])
             connection, reused = (idle.pop(), True) if idle else (self._connect(endpoint), False)
         try:
-            connection.request("POST", path, payload, {"Content-Type": "application/json"})
-            response = connection.getresponse()
-            text = response.read()
+            if connection.sock is None:
+                connection.connect()
+            with self._watchdog.watch(connection.sock, REQUEST_DEADLINE_S):
+                connection.request("POST", path, payload, {"Content-Type": "application/json"})
+                response = connection.getresponse()
+                text = response.read()
         except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
             connection.close()
             if not reused:
