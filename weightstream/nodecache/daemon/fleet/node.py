@@ -140,7 +140,7 @@ def _described(etcd: EtcdGateway, address: FleetAddress) -> dict[str, object]:
     nodes: dict[str, dict[str, list[str]]] = {
         node: {"complete": [], "filling": [], "devices": []} for node in store.nodes()
     }
-    segments, complete, devices = store.filling_and_complete()
+    segments, complete, devices = store.offered()
     for entry, node in sorted(segments):
         if node in nodes:
             nodes[node]["complete" if (entry, node) in complete else "filling"].append(entry)

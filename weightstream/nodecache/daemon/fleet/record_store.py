@@ -67,33 +67,37 @@ class RecordStore:
             self.skip(key, str(error))
             return None
 
-    def _range(self, under: str, count: int, parse: Callable[[bytes], Record]) -> dict[tuple[str, ...], Held]:
-        """The keys under ``under`` of ``count`` names whose values parse, by their names (values left as read)."""
+    def _range(
+        self, under: str, count: int, parse: Callable[[bytes], Record]
+    ) -> dict[tuple[str, ...], tuple[Record, Held]]:
+        """The keys under ``under`` of ``count`` names whose values parse: by their names, each record as parsed and
+        as read."""
         found = {}
         for key, held in self.etcd.get_range(under).items():
             try:
-                names = FleetKeys.names(under, key, count)
-                parse(held.value)
+                found[FleetKeys.names(under, key, count)] = (parse(held.value), held)
             except UnparsableRecord as error:
                 self.skip(key, str(error))
-                continue
-            found[names] = held
+        return found
+
+    def _pieces(self, under: str, parse: Callable[[bytes], Record]) -> dict[int, tuple[Record, Held]]:
+        """As :meth:`_range` for keys named by a piece number (claims, digests), by piece."""
+        found = {}
+        for key, held in self.etcd.get_range(under).items():
+            try:
+                found[FleetKeys.piece(under, key)] = (parse(held.value), held)
+            except UnparsableRecord as error:
+                self.skip(key, str(error))
         return found
 
     def nodes(self) -> dict[str, NodeRecord]:
         """The live nodes, by name."""
-        nodes = self._range(self.keys.node(), 1, parse_node)
-        return {names[0]: parse_node(held.value) for names, held in nodes.items()}
+        return {names[0]: node for names, (node, _) in self._range(self.keys.node(), 1, parse_node).items()}
 
     def claims(self, entry: str) -> dict[int, tuple[Claim, int]]:
         """The claims of ``entry``'s pieces by piece: each claim, and the revision it was last changed at."""
-        under, found = self.keys.claims(entry), {}
-        for key, held in self.etcd.get_range(under).items():
-            try:
-                found[FleetKeys.piece(under, key)] = (parse_claim(held.value), held.revision)
-            except UnparsableRecord as error:
-                self.skip(key, str(error))
-        return found
+        claims = self._pieces(self.keys.claims(entry), parse_claim)
+        return {piece: (claim, held.revision) for piece, (claim, held) in claims.items()}
 
     def claim(self, entry: str, piece: int, claim: Claim, lease: int) -> Claim | None:
         """Claim ``piece`` of ``entry`` (None: this call won), else the claim that holds it (None where that does
@@ -105,13 +109,7 @@ class RecordStore:
 
     def digests(self, entry: str) -> dict[int, str]:
         """Every published piece digest of ``entry``, by piece (one range request)."""
-        under, found = self.keys.digests(entry), {}
-        for key, held in self.etcd.get_range(under).items():
-            try:
-                found[FleetKeys.piece(under, key)] = parse_digest(held.value)
-            except UnparsableRecord as error:
-                self.skip(key, str(error))
-        return found
+        return {piece: sha256 for piece, (sha256, _) in self._pieces(self.keys.digests(entry), parse_digest).items()}
 
     def plan(self, entry: str) -> int | None:
         """The piece size the fleet agreed for ``entry``; None where none was (or what is there does not parse)."""
@@ -142,7 +140,7 @@ class RecordStore:
     def device_offers(self, entry: str) -> list[tuple[str, Offer, int]]:
         """Every device copy of ``entry`` offered (node, offer, the lease of the offer), sorted by key."""
         offers = self._range(self.keys.device(entry), 2, parse_offer)
-        return [(names[0], parse_offer(offers[names].value), offers[names].lease) for names in sorted(offers)]
+        return [(names[0], offers[names][0], offers[names][1].lease) for names in sorted(offers)]
 
     def failed(self, entry: str) -> str | None:
         """Why a node found ``entry``'s origin changed, where one did."""
@@ -152,13 +150,12 @@ class RecordStore:
     def served_by(self, node: str) -> dict[str, int]:
         """The bytes of each entry ``node``'s peers report having read from it."""
         served: dict[str, int] = {}
-        for (entry, _), held in self._range(self.keys.served(node), 2, parse_count).items():
-            served[entry] = served.get(entry, 0) + parse_count(held.value)
+        for (entry, _), (count, _) in self._range(self.keys.served(node), 2, parse_count).items():
+            served[entry] = served.get(entry, 0) + count
         return served
 
-    def filling_and_complete(self) -> tuple[set[tuple[str, str]], set[tuple[str, str]], set[tuple[str, str, str]]]:
+    def offered(self) -> tuple[set[tuple[str, ...]], set[tuple[str, ...]], set[tuple[str, ...]]]:
         """Every (entry, node) offered as a segment and as a whole copy, and every (entry, node, gpu) device copy."""
         segments = set(self._range(self.keys.family("segments"), 2, parse_offer))
         complete = set(self._range(self.keys.family("complete"), 2, parse_offer))
-        devices = set(self._range(self.keys.family("devices"), 3, parse_offer))
-        return segments, complete, devices  # type: ignore[return-value]
+        return segments, complete, set(self._range(self.keys.family("devices"), 3, parse_offer))
