@@ -285,3 +285,47 @@ def test_a_stalled_claim_is_taken_over_by_one_node_which_publishes_its_digest(et
         stalled.close()
         server.close()
         gateway.delete_prefix("/stalled/")
+
+
+def test_a_claim_that_does_not_parse_is_taken_over_after_the_stall_not_waited_on_for_ever(etcd: str, tmp_path: Path):
+    """A junk value at a piece's claim key (no lease: it never goes by itself) holds the piece like a stalled claim:
+    after the stall the waiting node takes it over on its revision and fills every piece (before: the claim was
+    skipped as unparsable and could never be made, so the fill waited for that piece for ever)."""
+    import ctypes
+    import hashlib
+
+    from weightstream.nodecache.daemon.fleet.fill import FleetFill
+    from weightstream.nodecache.daemon.fleet.membership import Membership
+    from weightstream.nodecache.daemon.fleet.record_store import RecordStore
+    from weightstream.nodecache.daemon.fleet.records import Claim
+    from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer
+
+    size = 3 * PIECE
+
+    def origin(offset: int, nbytes: int, address: int) -> None:
+        ctypes.memset(address, offset // PIECE + 1, nbytes)
+
+    gateway = EtcdGateway([etcd])
+    store = RecordStore(gateway, "/junkclaim")
+    member = Membership(store, "waiting", ttl_s=5)
+    server, fetcher = PieceServer("waiting"), PieceFetcher("waiting")
+    try:
+        gateway.put("/junkclaim/pieces/entry-j/2", b'\xff{"node": ')
+        fill = FleetFill(member, fetcher, server, piece_bytes=PIECE, stall_s=1.0)
+        with open(tmp_path / "segment", "wb+") as file:
+            file.truncate(size)
+            started = time.monotonic()
+            stats = fill.fill("entry-j", file.fileno(), size, origin)
+            took = time.monotonic() - started
+            file.seek(0)
+            assert file.read() == b"\x01" * PIECE + b"\x02" * PIECE + b"\x03" * PIECE
+        assert took >= 1.0, f"the junk claim was not waited on for the stall ({took:.2f} s)"
+        assert (stats.claims_taken_over, stats.bytes_from_origin) == (1, size), stats
+        assert store.bad_records >= 1
+        digest = hashlib.sha256(b"\x03" * PIECE).hexdigest()
+        held = gateway.get_held("/junkclaim/pieces/entry-j/2")
+        assert held == (Claim("waiting", "done", digest).encode(), member.lease), held
+    finally:
+        member.close()
+        server.close()
+        gateway.delete_prefix("/junkclaim/")

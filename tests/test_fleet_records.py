@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tests.etcd_server import etcd_server
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
-from weightstream.nodecache.daemon.fleet.record_store import RecordStore
+from weightstream.nodecache.daemon.fleet.record_store import UNPARSABLE_CLAIM, RecordStore
 from weightstream.nodecache.daemon.fleet.records import (
     NAME,
     SHA256,
@@ -153,12 +153,13 @@ def test_a_store_skips_counts_and_logs_once_what_does_not_parse(etcd: str, caplo
     gateway.put(store.keys.served("node-a", "e1", "node-c"), b"lots")
     with caplog.at_level(logging.WARNING, logger="weightstream"):
         for _ in range(2):
-            assert store.claims("e1") == {0: (good, store.claims("e1")[0][1])}
+            claims = store.claims("e1")
+            assert claims == {0: (good, claims[0][1]), 1: (UNPARSABLE_CLAIM, claims[1][1])}  # held, to take over
             assert store.digests("e1") == {0: "ab" * 32}
             assert store.plan("e1") is None
             assert store.holders("e1") == []
             assert store.served_by("node-a") == {"e1": 12}
-    assert store.bad_records == 2 * (3 * 2 + 1 + 1 + 1 + 1)
+    assert store.bad_records == 2 * (3 + 1 + 1 + 1 + 1)
     skipped = [record.getMessage() for record in caplog.records if "skipped" in record.getMessage()]
     assert len(skipped) == 7, skipped  # each bad key logged once
     assert any("\\udcff" in line for line in skipped), skipped  # escaped, as ascii() writes it

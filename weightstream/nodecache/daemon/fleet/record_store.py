@@ -35,6 +35,8 @@ from weightstream.nodecache.daemon.fleet.records import (
 log = logger(__name__)
 
 Record = TypeVar("Record")
+UNPARSABLE_CLAIM = Claim("", "unparsable")
+"""What a claim that does not parse reads as: held by no node, never done."""
 MAX_LOGGED = 1000
 """Bad keys remembered (each logged once); past that, a bad key is counted, not logged."""
 
@@ -80,14 +82,21 @@ class RecordStore:
                 self.skip(key, str(error))
         return found
 
-    def _pieces(self, under: str, parse: Callable[[bytes], Record]) -> dict[int, tuple[Record, Held]]:
-        """As :meth:`_range` for keys named by a piece number (claims, digests), by piece."""
+    def _pieces(
+        self, under: str, parse: Callable[[bytes], Record], unparsable: Record | None = None
+    ) -> dict[int, tuple[Record, Held]]:
+        """As :meth:`_range` for keys named by a piece number (claims, digests), by piece; a piece's value that does
+        not parse is counted and, where ``unparsable`` is given, handed back as that."""
         found = {}
         for key, held in self.etcd.get_range(under).items():
             try:
-                found[FleetKeys.piece(under, key)] = (parse(held.value), held)
+                piece = FleetKeys.piece(under, key)
             except UnparsableRecord as error:
                 self.skip(key, str(error))
+                continue
+            record = self.parsed(key, held.value, parse)
+            if record is not None or unparsable is not None:
+                found[piece] = (unparsable if record is None else record, held)
         return found
 
     def nodes(self) -> dict[str, NodeRecord]:
@@ -95,8 +104,10 @@ class RecordStore:
         return {names[0]: node for names, (node, _) in self._range(self.keys.node(), 1, parse_node).items()}
 
     def claims(self, entry: str) -> dict[int, tuple[Claim, int]]:
-        """The claims of ``entry``'s pieces by piece: each claim, and the revision it was last changed at."""
-        claims = self._pieces(self.keys.claims(entry), parse_claim)
+        """The claims of ``entry``'s pieces by piece: each claim, and the revision it was last changed at. A claim
+        that does not parse is :data:`UNPARSABLE_CLAIM` (counted): it holds its piece like a claim that stalls, until
+        a waiting node takes it over on its revision (skipping it would leave the piece unclaimable for ever)."""
+        claims = self._pieces(self.keys.claims(entry), parse_claim, UNPARSABLE_CLAIM)
         return {piece: (claim, held.revision) for piece, (claim, held) in claims.items()}
 
     def claim(self, entry: str, piece: int, claim: Claim, lease: int) -> Claim | None:
@@ -105,7 +116,7 @@ class RecordStore:
         held = self.etcd.create(self.keys.claim(entry, piece), claim.encode(), lease)
         if held is None:
             return None
-        return self.parsed(self.keys.claim(entry, piece), held.value, parse_claim) or Claim("", "unparsable")
+        return self.parsed(self.keys.claim(entry, piece), held.value, parse_claim) or UNPARSABLE_CLAIM
 
     def digests(self, entry: str) -> dict[int, str]:
         """Every published piece digest of ``entry``, by piece (one range request)."""
