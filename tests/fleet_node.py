@@ -1,7 +1,8 @@
 """A fleet node for the tests, as a process of its own: joins the fleet at ``ETCD PREFIX`` as ``NODE``, fills the
 file at ``URL`` (an HTTP origin) into ``OUTPUT`` with the fleet's help, prints where its bytes came from as JSON, then
 serves its copy to peers until its stdin closes. ``--piece-bytes N`` sets the piece size; ``--corrupt`` flips a byte
-of its copy after the fill (a peer serving bad bytes).
+of its copy after the fill (a peer serving bad bytes); ``--ttl S`` the lease, ``--piece-timeout S`` each transfer's
+deadline.
 
 Device copies without a GPU: :class:`HostCopies` stands for the daemon's device tier, its copies in anonymous host
 memory offered to peers as NIXL DRAM (the fleet's device path, everything but the GPU). ``--offer-device`` makes and
@@ -70,6 +71,8 @@ def main() -> None:
     parser.add_argument("--offer-device", action="store_true")
     parser.add_argument("--corrupt-device", action="store_true")
     parser.add_argument("--device-fill", action="store_true")
+    parser.add_argument("--ttl", type=int, default=5)
+    parser.add_argument("--piece-timeout", type=float, default=30.0)
     args = parser.parse_args()
 
     store = store_for(args.url)
@@ -80,8 +83,8 @@ def main() -> None:
         source.read_into(offset, memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B"))
 
     server = PieceServer(args.node)
-    fetcher = PieceFetcher(args.node)
-    member = Membership(RecordStore(EtcdGateway([args.etcd]), args.prefix), args.node, ttl_s=5)
+    fetcher = PieceFetcher(args.node, timeout_s=args.piece_timeout)
+    member = Membership(RecordStore(EtcdGateway([args.etcd]), args.prefix), args.node, ttl_s=args.ttl)
     fd = os.open(args.output, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     os.ftruncate(fd, source.size)
     fleet = FleetFill(member, fetcher, server, piece_bytes=args.piece_bytes)

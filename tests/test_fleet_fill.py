@@ -329,3 +329,69 @@ def test_a_claim_that_does_not_parse_is_taken_over_after_the_stall_not_waited_on
         member.close()
         server.close()
         gateway.delete_prefix("/junkclaim/")
+
+
+def test_a_frozen_peer_costs_one_transfer_deadline_per_fill_not_one_per_piece(etcd: str, origin, tmp_path: Path):
+    """The only holder is frozen (SIGSTOP, its lease still alive): the joiner's transfers from it run at once, each
+    with its own deadline, and after the first failure nothing more is asked of it; the fill ends about one deadline
+    later, bit-exact, from the origin (before: one transfer at a time under one lock, each waiting out its deadline
+    from its turn: four deadlines before the origin was asked)."""
+    import signal
+
+    server, url, data = origin
+    holder = Node(etcd, "/frozen", "holder", url, tmp_path / "holder", "--ttl", "120")
+    assert holder.stats()["bytes_from_origin"] == len(data)
+    os.kill(holder.process.pid, signal.SIGSTOP)
+    try:
+        timeout = 8.0
+        started = time.monotonic()
+        joiner = Node(etcd, "/frozen", "joiner", url, tmp_path / "joiner", "--piece-timeout", str(timeout))
+        filled = joiner.stats()
+        took = time.monotonic() - started
+        assert joiner.output.read_bytes() == data
+        assert filled["bytes_from_peers"] == 0 and filled["peer_failures"] >= 1, filled
+        assert filled["bytes_refetched"] == len(data), filled
+        assert took < 3 * timeout, f"{took:.1f} s: the transfers waited for each other (each deadline {timeout} s)"
+        joiner.leave()
+    finally:
+        os.kill(holder.process.pid, signal.SIGCONT)
+        holder.leave()
+
+
+def test_past_the_fill_deadline_the_pieces_still_claimed_elsewhere_come_from_the_origin(etcd: str, tmp_path: Path):
+    """A live node holds a piece's claim and never finishes it; the stall is long (10 min) but the fill's deadline
+    short: at the deadline the waiting node reads the piece from the origin without taking the claim (counted as
+    past the deadline), and the fill ends bit-exact."""
+    import ctypes
+
+    from weightstream.nodecache.daemon.fleet.fill import FleetFill
+    from weightstream.nodecache.daemon.fleet.membership import Membership
+    from weightstream.nodecache.daemon.fleet.record_store import RecordStore
+    from weightstream.nodecache.daemon.fleet.records import Claim
+    from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer
+
+    size = 3 * PIECE
+
+    def origin(offset: int, nbytes: int, address: int) -> None:
+        ctypes.memset(address, offset // PIECE + 1, nbytes)
+
+    gateway = EtcdGateway([etcd])
+    stalled = Membership(RecordStore(gateway, "/deadline"), "stuck", ttl_s=30)
+    member = Membership(RecordStore(gateway, "/deadline"), "waiting", ttl_s=5)
+    server, fetcher = PieceServer("waiting"), PieceFetcher("waiting")
+    try:
+        gateway.put("/deadline/pieces/entry-d/0", Claim("stuck", "claimed").encode(), stalled.lease)
+        fill = FleetFill(member, fetcher, server, piece_bytes=PIECE, stall_s=600.0, deadline=lambda size: 1.0)
+        with open(tmp_path / "segment", "wb+") as file:
+            file.truncate(size)
+            stats = fill.fill("entry-d", file.fileno(), size, origin)
+            file.seek(0)
+            assert file.read() == b"\x01" * PIECE + b"\x02" * PIECE + b"\x03" * PIECE
+        assert (stats.pieces_past_deadline, stats.claims_taken_over, stats.bytes_from_origin) == (1, 0, size), stats
+        held = gateway.get_held("/deadline/pieces/entry-d/0")
+        assert held == (Claim("stuck", "claimed").encode(), stalled.lease), "the claim was taken, not waited past"
+    finally:
+        member.close()
+        stalled.close()
+        server.close()
+        gateway.delete_prefix("/deadline/")

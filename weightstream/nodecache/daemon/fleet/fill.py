@@ -47,7 +47,13 @@ keep a version that never changed (a wrong digest, a glitch) out of the fleet un
 CHECK_FAILED_S = 0.5
 """While every missing piece is moving, how often the fill looks whether another node found the origin changed."""
 FETCH_THREADS = 4
-"""Pieces fetched from peers at once: the agent moves one at a time, the others are checked meanwhile."""
+"""Pieces fetched from peers at once, each its own transfer with its own deadline (a peer that does not answer
+costs one deadline per fill, not one per piece)."""
+FILL_DEADLINE_S = 60.0
+SLOWEST_PEER_BYTES_PER_S = 100e6
+"""A fill's peers have ``FILL_DEADLINE_S`` plus its size at this rate to deliver; past that, what is still missing is
+read from the origin (``pieces_past_deadline``): fleet fill may save origin reads, never make a load wait without
+end for peers that are alive but slow."""
 ORIGIN_PIECES = 2
 """Pieces one node reads from the origin at once: one is hashed while the next moves, and in a storm the claims
 spread over the nodes (a node claims its next piece only as one of its reads ends)."""
@@ -81,6 +87,9 @@ class FillStats:
     claims_taken_over: int = 0
     """Pieces whose claimer had not finished them in ``stall_s``: claimed by this node, read from the origin and
     their digest published."""
+    pieces_past_deadline: int = 0
+    """Pieces still missing at the fill's deadline (see :data:`FILL_DEADLINE_S`), read from the origin (counted in
+    ``bytes_from_origin`` too)."""
 
 
 def piece_size(size: int) -> int:
@@ -92,6 +101,16 @@ def piece_size(size: int) -> int:
     """
     wanted = -(-size // PIECES_PER_FILE)
     return min(PIECE_BYTES, max(MIN_PIECE_BYTES, -(-wanted >> 20) << 20))
+
+
+def fill_deadline(size: int) -> float:
+    """Seconds a fill of ``size`` bytes waits for peers before it reads the rest from the origin.
+
+    Example:
+        >>> fill_deadline(0), fill_deadline(10**10)
+        (60.0, 160.0)
+    """
+    return FILL_DEADLINE_S + size / SLOWEST_PEER_BYTES_PER_S
 
 
 def piece_spans(size: int, piece_bytes: int) -> list[tuple[int, int]]:
@@ -115,12 +134,14 @@ class FleetFill:
         server: PieceServer,
         piece_bytes: int | None = None,
         stall_s: float = STALL_S,
+        deadline: Callable[[int], float] = fill_deadline,
     ) -> None:
         self.membership, self.fetcher, self.server = membership, fetcher, server
         self.store, self.etcd, self.node = membership.store, membership.etcd, membership.node
         self.keys = self.store.keys
-        self.piece_bytes, self.stall_s = piece_bytes, stall_s
-        """The piece size this node proposes for a new entry (None: :func:`piece_size`); the first proposal wins."""
+        self.piece_bytes, self.stall_s, self.deadline = piece_bytes, stall_s, deadline
+        """The piece size this node proposes for a new entry (None: :func:`piece_size`; the first proposal wins), how
+        long a claim may stall, and how long a fill of a given size waits for peers."""
         self._offered: dict[str, Offer] = {}
         """Each entry this node holds whole, and where peers read it (put again under a new lease)."""
         self._read_from: dict[tuple[str, str], int] = {}
@@ -267,6 +288,9 @@ class _EntryFill:
         """Peers that failed this fill once: asked for nothing more in it."""
         self.reported_by: str | None = None
         """Another node's report that the origin changed, where that is what ended this fill (not re-reported)."""
+        self.deadline = time.monotonic() + fleet.deadline(size)
+        """Past this, nothing more is asked of peers or waited for from claimers: the rest comes from the origin."""
+        self.late = False
 
     def run(self) -> FillStats:
         """Fill every piece; where anything fails (the origin, a cancel at shutdown, etcd), this node's claims of the
@@ -299,6 +323,7 @@ class _EntryFill:
             try:
                 while pending:
                     self._check_failed()
+                    self._check_deadline(len(pending - moving.keys()))
                     if waiting := pending - moving.keys():
                         records, holders = self.claims.pieces(self.entry), self._complete_holders()
                         digests = self.fleet.store.digests(self.entry) if holders else {}
@@ -334,6 +359,8 @@ class _EntryFill:
     ) -> tuple[str, str] | None:
         """(peer, sha256) to fetch ``piece`` from now: a node holding the whole entry (a late joiner's way), else the
         node that read the piece from the origin; None when no peer (that has not failed this fill) has it yet."""
+        if self.late:
+            return None
         holders = [holder for holder in holders if holder not in self.failed_peers]
         if holders and piece in digests:
             return holders[piece % len(holders)], digests[piece]
@@ -343,17 +370,19 @@ class _EntryFill:
 
     def _origin_turn(self, piece: int, record: tuple[Claim, int] | None) -> str | None:
         """Why this node reads ``piece`` from the origin now: ``"claimed"`` (it won the claim, holds it, or took over
-        a claim stalled for ``stall_s``), ``"refetched"`` (the piece is done, on a peer that failed this fill); None:
-        not this node's to read (yet)."""
+        a claim stalled for ``stall_s``), ``"refetched"`` (the piece is done, on a peer that failed this fill),
+        ``"late"`` (the fill's deadline passed: whoever claimed it); None: not this node's to read (yet)."""
         if record is None:
             won, claim = self.claims.claim(self.entry, piece)
-            if not won:
+            if not won and not self.late:
                 return None
         else:
             claim = record[0]
         if claim.node == self.fleet.node:
             self.claimed.add(piece)
             return "claimed"
+        if self.late:
+            return "late"
         if claim.state == "done":
             return "refetched" if claim.node in self.failed_peers else None
         started = self._waiting_since.setdefault(piece, time.monotonic())
@@ -374,9 +403,12 @@ class _EntryFill:
         offset, nbytes = self.spans[piece]
         self.read_origin(offset, nbytes, self.address + offset)
         sha256 = hashlib.sha256(memory_at(self.address + offset, nbytes)).hexdigest()
-        if why == "refetched":
-            self._count(pieces_refetched=1, bytes_refetched=nbytes)
-            if claim is not None and claim.sha256 != sha256:
+        if why != "claimed":
+            if why == "refetched":
+                self._count(pieces_refetched=1, bytes_refetched=nbytes)
+            else:
+                self._count(pieces_past_deadline=1, bytes_from_origin=nbytes)
+            if claim is not None and claim.sha256 not in (None, sha256):
                 self._correct(piece, str(claim.sha256), sha256)
             return
         self.fleet.etcd.put(self.fleet.keys.digest(self.entry, piece), sha256.encode())
@@ -422,6 +454,13 @@ class _EntryFill:
     def _complete_holders(self) -> list[str]:
         """The other nodes holding the whole entry."""
         return [holder for holder in self.fleet.store.holders(self.entry) if holder != self.fleet.node]
+
+    def _check_deadline(self, waiting: int) -> None:
+        """Past the fill's deadline, the pieces still ``waiting`` come from the origin (logged once)."""
+        if not self.late and waiting and time.monotonic() > self.deadline:
+            self.late = True
+            log.warning("%s: the fill's deadline passed with %d pieces still to come from peers and claimers: "
+                        "reading them from the origin", self.entry, waiting)  # fmt: skip
 
     def _check_failed(self) -> None:
         reason = self.fleet.store.failed(self.entry)

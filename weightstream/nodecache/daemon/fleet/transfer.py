@@ -71,13 +71,18 @@ def _quiet(nixl_logger: logging.Logger) -> None:
 
 
 def _agent(name: str) -> object:
-    """A NIXL agent on UCX whose progress thread sleeps between events (see :data:`PROGRESS_WAIT_US`)."""
+    """A NIXL agent on UCX that threads may call at once (transfers of several pieces under way together: NIXL's
+    reader-writer sync mode), whose progress thread sleeps between events (see :data:`PROGRESS_WAIT_US`)."""
     api = nixl()
+    sync = getattr(getattr(api, "nixl_thread_sync_t", None), "NIXL_THREAD_SYNC_RW", None)
+    if sync is None:
+        raise CacheConfigError(f"--fleet needs a NIXL with thread-safe agents (1.0 or later): {INSTALL_HINT}")
+    config = api.nixl_agent_config(backends=["UCX"], sync_mode=sync)
     bindings = getattr(api, "nixlBind", None)
     original = getattr(bindings, "nixlAgentConfig", None)
     if original is None or not hasattr(original(), "pthrDelay"):
         log.warning("NIXL %s: its progress thread's wait cannot be set: it may keep a CPU busy", api.__name__)
-        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        return api.nixl_agent(name, config)
 
     class Config(original):  # type: ignore[misc, valid-type]
         def __setattr__(self, field: str, value: object) -> None:
@@ -86,7 +91,7 @@ def _agent(name: str) -> object:
     with _CONFIG_LOCK:
         bindings.nixlAgentConfig = Config
         try:
-            return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+            return api.nixl_agent(name, config)
         finally:
             bindings.nixlAgentConfig = original
 
@@ -162,7 +167,8 @@ class PieceServer:
 
 
 class PieceFetcher:
-    """Reads pieces from peers' published segments into this node's memory, through its own NIXL agent."""
+    """Reads pieces from peers' published segments into this node's memory, through its own NIXL agent: any number
+    of transfers at once (each its own handle, bounded by its own deadline from its own start)."""
 
     def __init__(self, node: str, timeout_s: float = PIECE_TIMEOUT_S) -> None:
         self.node, self.timeout_s = node, timeout_s
@@ -170,9 +176,12 @@ class PieceFetcher:
         self._peers: dict[str, str] = {}
         self._loaded: set[tuple[str, int]] = set()
         """(peer, address) of each published segment whose metadata this agent has loaded."""
-        self._lock = threading.RLock()
-        """Held for every call into the agent (one transfer at a time; threads hash what they read outside it, so
-        one piece is checked while the next moves)."""
+        self._moving: dict[str, int] = {}
+        """Transfers under way from each peer: a peer is forgotten once its last one ends."""
+        self._forgetting: set[str] = set()
+        """Peers to forget once their transfers end (reads from them wait for that, then load them again)."""
+        self._lock = threading.Condition()
+        """Guards what is known of peers (never held across a transfer)."""
 
     def read(
         self,
@@ -187,7 +196,8 @@ class PieceFetcher:
     ) -> None:
         """Read ``nbytes`` at ``offset`` of what ``peer`` published as ``where`` (:meth:`PieceServer.publish`'s
         answer: a segment, or a device copy) into memory at ``destination`` (this process's, of kind ``memory`` on
-        ``device``), and check them against ``sha256`` where given (host memory only).
+        ``device``), and check them against ``sha256`` where given (host memory only). Safe to call from many
+        threads at once.
 
         Raises:
             FleetPeerError: the peer failed, stalled past the timeout, or the bytes are not the piece.
@@ -195,8 +205,11 @@ class PieceFetcher:
         if offset < 0 or offset + nbytes > where.size:
             raise FleetPeerError(f"{peer}: bytes {offset}..{offset + nbytes} lie outside its {where.size}-byte offer")
         remote = (where.address, where.memory, where.device)
-        with self._lock:
-            self._transfer(peer, bytes.fromhex(where.metadata), remote, offset, nbytes, (destination, memory, device))
+        name = self._start(peer, where.address, bytes.fromhex(where.metadata))
+        try:
+            self._transfer(peer, name, remote, offset, nbytes, (destination, memory, device))
+        finally:
+            self._end(peer)
         if sha256 is not None:
             got = hashlib.sha256(memory_at(destination, nbytes)).hexdigest()
             if got != sha256:
@@ -205,23 +218,44 @@ class PieceFetcher:
                     f"{sha256[:16]}...: discarded"
                 )
 
+    def _start(self, peer: str, address: int, metadata: bytes) -> str:
+        """Count a transfer from ``peer`` under way; its agent's name, with the registration at ``address`` known
+        (its metadata loaded once; after a :meth:`forget` still waiting on transfers, loaded again once they end)."""
+        with self._lock:
+            while peer in self._forgetting:
+                self._lock.wait()
+            if (peer, address) not in self._loaded:
+                try:
+                    name = self._agent.add_remote_agent(metadata)  # type: ignore[attr-defined]
+                except Exception as error:  # noqa: BLE001 - NIXL cannot load it (NIXL_ERR_BACKEND, bad metadata)
+                    raise FleetPeerError(f"{peer}: cannot reach its agent: {error}") from None
+                self._peers[peer] = name.decode() if isinstance(name, bytes) else str(name)
+                self._loaded.add((peer, address))
+            self._moving[peer] = self._moving.get(peer, 0) + 1
+            return self._peers[peer]
+
+    def _end(self, peer: str) -> None:
+        """A transfer from ``peer`` ended: the last one forgets it where that was asked meanwhile."""
+        with self._lock:
+            self._moving[peer] -= 1
+            if not self._moving[peer]:
+                del self._moving[peer]
+                if peer in self._forgetting:
+                    self._drop(peer)
+
     def _transfer(
         self,
         peer: str,
-        metadata: bytes,
+        name: str,
         remote: tuple[int, str, int],
         offset: int,
         nbytes: int,
         local: tuple[int, str, int],
     ) -> None:
-        """The NIXL READ itself of ``nbytes`` at ``offset`` of ``remote`` into ``local`` (each: address, memory kind,
-        device), bounded by the timeout (called holding the agent's lock)."""
+        """The NIXL READ itself of ``nbytes`` at ``offset`` of ``remote`` (agent ``name``'s) into ``local`` (each:
+        address, memory kind, device), bounded by the timeout from its start."""
         agent = self._agent
         (remote_address, remote_memory, remote_device), (destination, memory, device) = remote, local
-        try:
-            name = self._remote(peer, remote_address, metadata)
-        except Exception as error:  # noqa: BLE001 - NIXL cannot reach the peer's agent (NIXL_ERR_BACKEND)
-            raise FleetPeerError(f"{peer}: cannot reach its agent: {error}") from None
         registration = agent.register_memory([(destination, nbytes, device, "")], memory)  # type: ignore[attr-defined]
         try:
             started = time.monotonic()
@@ -252,21 +286,25 @@ class PieceFetcher:
             agent.deregister_memory(registration)  # type: ignore[attr-defined]
 
     def forget(self, peer: str) -> None:
-        """Drop what is known of ``peer``'s agent (it left, or restarted): the next read loads it again."""
+        """Drop what is known of ``peer``'s agent (it left, restarted or failed): the next read loads it again.
+        Transfers from it still under way end first (each by its deadline); the agent is dropped after the last."""
         with self._lock:
-            name = self._peers.pop(peer, None)
-            self._loaded = {loaded for loaded in self._loaded if loaded[0] != peer}
-        if name is not None:
-            self._agent.remove_remote_agent(name)  # type: ignore[attr-defined]
+            if peer in self._moving:
+                self._forgetting.add(peer)
+            else:
+                self._drop(peer)
 
-    def _remote(self, peer: str, address: int, metadata: bytes) -> str:
-        """``peer``'s agent name, with the registration at ``address`` known (its metadata loaded once)."""
-        with self._lock:
-            if (peer, address) not in self._loaded:
-                name = self._agent.add_remote_agent(metadata)  # type: ignore[attr-defined]
-                self._peers[peer] = name.decode() if isinstance(name, bytes) else str(name)
-                self._loaded.add((peer, address))
-            return self._peers[peer]
+    def _drop(self, peer: str) -> None:
+        """Forget ``peer`` now (no transfer from it under way; called holding the lock)."""
+        self._forgetting.discard(peer)
+        self._loaded = {loaded for loaded in self._loaded if loaded[0] != peer}
+        name = self._peers.pop(peer, None)
+        self._lock.notify_all()
+        if name is not None:
+            try:
+                self._agent.remove_remote_agent(name)  # type: ignore[attr-defined]
+            except Exception as error:  # noqa: BLE001 - its metadata is gone either way; the next read loads it again
+                log.warning("fleet: %s's agent not dropped cleanly: %s", peer, error)
 
 
 def memory_at(address: int, nbytes: int) -> memoryview:
