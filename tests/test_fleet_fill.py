@@ -338,7 +338,7 @@ def test_a_frozen_peer_costs_one_transfer_deadline_per_fill_not_one_per_piece(et
     from its turn: four deadlines before the origin was asked)."""
     import signal
 
-    server, url, data = origin
+    _, url, data = origin
     holder = Node(etcd, "/frozen", "holder", url, tmp_path / "holder", "--ttl", "120")
     assert holder.stats()["bytes_from_origin"] == len(data)
     os.kill(holder.process.pid, signal.SIGSTOP)
@@ -395,3 +395,55 @@ def test_past_the_fill_deadline_the_pieces_still_claimed_elsewhere_come_from_the
         stalled.close()
         server.close()
         gateway.delete_prefix("/deadline/")
+
+
+def test_a_transfer_that_cannot_be_released_fences_its_memory_off_and_abandons_the_fill(
+    etcd: str, origin, tmp_path: Path
+):
+    """NIXL refuses to release a transfer (it could not be cancelled, so it may still write): the fill fails with
+    MemoryStillInUseError naming the bytes, the memory it reads into stays mapped as private zero pages that never
+    map the segment file again (a late write lands there, not in the file, nor in a later mapping), and the rest of
+    the fill's mapping is gone; the node's offer of the entry is withdrawn."""
+    from weightstream.errors import MemoryStillInUseError
+    from weightstream.nodecache.daemon.fleet.fill import FleetFill
+    from weightstream.nodecache.daemon.fleet.membership import Membership
+    from weightstream.nodecache.daemon.fleet.record_store import RecordStore
+    from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer
+
+    _, url, data = origin
+    holder = Node(etcd, "/stuck", "holder", url, tmp_path / "holder")
+    assert holder.stats()["bytes_from_origin"] == len(data)
+    gateway = EtcdGateway([etcd])
+    member = Membership(RecordStore(gateway, "/stuck"), "joiner", ttl_s=5)
+    server, fetcher = PieceServer("joiner"), PieceFetcher("joiner")
+    release = fetcher._agent.release_xfer_handle
+    refused = []
+
+    def refuse_once(handle) -> None:
+        if not refused:
+            refused.append(handle)
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+        release(handle)
+
+    fetcher._agent.release_xfer_handle = refuse_once
+    try:
+        entry = gateway.get_prefix("/stuck/complete/").popitem()[0].split("/")[3]
+        fill = FleetFill(member, fetcher, server, piece_bytes=PIECE)
+        segment = tmp_path / "segment"
+        with open(segment, "wb+") as file:
+            file.truncate(len(data))
+            with pytest.raises(MemoryStillInUseError, match=r"could not be stopped: the 8388608 bytes it reads into"):
+                fill.fill(entry, file.fileno(), len(data), lambda *_: pytest.fail("the origin was read"))
+        assert len(fetcher.stuck) == 1 and fetcher.stuck[0][1] == PIECE, fetcher.stuck
+        fenced = fetcher.stuck[0][0]
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        assert not [line for line in maps if str(segment) in line], "the fill's mapping of the file is still there"
+        spans = [line.split()[:2] for line in maps]
+        assert any(int(span.split("-")[0], 16) <= fenced < int(span.split("-")[1], 16) and perms == "rw-p"
+                   for span, perms in spans), "the fenced memory was unmapped"  # fmt: skip
+        assert gateway.get_prefix(f"/stuck/segments/{entry}/joiner") == {}, "the abandoned fill is still offered"
+    finally:
+        member.close()
+        server.close()
+        holder.leave()
+        gateway.delete_prefix("/stuck/")

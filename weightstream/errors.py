@@ -246,3 +246,8 @@ class FleetUnavailableError(CacheError, ConnectionError):
 
 class FleetPeerError(CacheError, ConnectionError):
     """A peer did not serve a piece: it went away, stalled past the bound, or its bytes failed their check."""
+
+
+class MemoryStillInUseError(CacheError, RuntimeError):
+    """A transfer into a fill's memory could not be stopped, so it may still write there: that memory is kept out of
+    use for the life of the process and the fill's segment abandoned (the segment store fills a fresh one)."""

@@ -29,7 +29,15 @@ import urllib.parse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from weightstream.errors import CacheConfigError, CacheError, CacheUnavailableError, FormatError, logger, redact
+from weightstream.errors import (
+    CacheConfigError,
+    CacheError,
+    CacheUnavailableError,
+    FormatError,
+    MemoryStillInUseError,
+    logger,
+    redact,
+)
 from weightstream.formats.strict_json import parse_json
 from weightstream.nodecache.daemon.directory import MARKER, is_cache_file
 from weightstream.nodecache.daemon.limits import MEMORY_RESERVE_BYTES, cgroup_room, mem_available, tmpfs_huge_pages
@@ -201,8 +209,24 @@ class SegmentStore:
 
         Safe to run outside the daemon's lock: it writes only its own temporary file until it renames it.
         On any error the temporary file is removed and nothing is published. Once ``cancel`` is set, reads not yet
-        started raise :class:`CacheUnavailableError` (the daemon is stopping).
+        started raise :class:`CacheUnavailableError` (the daemon is stopping). Where the filler reports that the
+        file's memory may still be written (:class:`MemoryStillInUseError`), a fresh file is filled from the origin.
         """
+        try:
+            return self._fill(key, source, threads, cancel, fleet, gpu)
+        except MemoryStillInUseError as error:
+            log.warning("%s: %s: filled again from the origin, into a fresh file", redact(source.uri), error)
+            return self._fill(key, source, threads, cancel, None, gpu)
+
+    def _fill(
+        self,
+        key: str,
+        source: Source,
+        threads: int,
+        cancel: threading.Event | None,
+        fleet: FleetNode | None,
+        gpu: str | None,
+    ) -> Segment:
         started = time.perf_counter()
         temporary = os.path.join(self.directory, f"tmp-{key}-{os.getpid()}-{time.monotonic_ns()}")
         fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)

@@ -74,6 +74,40 @@ def blank(address: int, length: int) -> None:
     _mmap(address, length, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1, 0)
 
 
+def fence_off(address: int, length: int) -> None:
+    """Replace the mapping at ``address`` (``length`` bytes) with private writable zero pages that the caller never
+    unmaps: a writer that cannot be stopped (a NIC's transfer that would not cancel) writes there harmlessly, never
+    into the file that was mapped, nor into whatever a later mapping at that address would hold.
+
+    Raises:
+        OSError: the kernel refused (its errno).
+    """
+    _mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1, 0)
+
+
+def unmap_around(address: int, length: int, kept: list[tuple[int, int]]) -> None:
+    """:func:`unmap` the ``length`` bytes at ``address`` but for the ranges ``kept`` (address, length) inside them.
+
+    Example:
+        >>> import tempfile
+        >>> page = mmap.PAGESIZE
+        >>> with tempfile.TemporaryFile() as file:
+        ...     _ = file.truncate(3 * page)
+        ...     address = map_file(file.fileno(), 3 * page, mmap.PROT_READ)
+        ...     unmap_around(address, 3 * page, [(address + page, page)])
+        ...     ctypes.string_at(address + page, 2) == bytes(2), unmap(address + page, page)
+        (True, None)
+    """
+    start = address
+    for at, size in sorted(kept):
+        if address <= at < address + length:
+            if at > start:
+                unmap(start, at - start)
+            start = max(start, at + size)
+    if start < address + length:
+        unmap(start, address + length - start)
+
+
 def advise(address: int, length: int, advice: int) -> bool:
     """``madvise``: whether the kernel took the advice (it refuses ``MADV_HUGEPAGE`` without transparent huge
     pages, for one)."""

@@ -27,7 +27,7 @@ from weightstream.nodecache.daemon.fleet.claims import Claims
 from weightstream.nodecache.daemon.fleet.membership import Membership
 from weightstream.nodecache.daemon.fleet.records import Claim, Offer
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, memory_at
-from weightstream.sources.local.raw_mapping import map_file, unmap
+from weightstream.sources.local.raw_mapping import map_file, unmap_around
 
 log = logger(__name__)
 
@@ -155,6 +155,7 @@ class FleetFill:
             SourceChangedError: the origin changed during the fill, here or on another node (nothing is published).
             SourceError and the origin's other errors: reading a piece from the origin failed.
             FleetUnavailableError: etcd went away (the caller may fill from the origin alone).
+            MemoryStillInUseError: a peer's transfer into ``fd``'s memory could not be stopped: fill a fresh file.
         """
         address = map_file(fd, size, mmap.PROT_READ | mmap.PROT_WRITE)
         entry_fill = None
@@ -178,7 +179,7 @@ class FleetFill:
                 self.etcd.delete(self.keys.segment(entry, self.node))
             raise
         finally:
-            unmap(address, size)
+            unmap_around(address, size, self.fetcher.stuck)  # what a transfer may still write stays mapped
 
     def served_to_peers(self) -> dict[str, int]:
         """The bytes of each entry this node's peers have read from it (what they reported).

@@ -18,7 +18,7 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 
-from weightstream.errors import CacheConfigError, FleetUnavailableError, IntegrityError, logger
+from weightstream.errors import CacheConfigError, FleetUnavailableError, IntegrityError, MemoryStillInUseError, logger
 from weightstream.nodecache.daemon.fleet.devices import DeviceCopies, PeerDevices
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill, ReadOrigin
@@ -201,6 +201,8 @@ class FleetNode:
         Raises:
             SourceChangedError, SourceError: as the origin's reads raise them.
             IntegrityError: the origin's own bytes do not match its digest.
+            MemoryStillInUseError: a peer's transfer into ``fd``'s memory could not be stopped (the caller fills a
+                fresh file).
         """
 
         def read_origin(offset: int, nbytes: int, into: int) -> None:
@@ -226,6 +228,9 @@ class FleetNode:
             log.warning("%s: the fleet's etcd went away (%s): filling from the origin alone", source.uri, error)
             self._count("fills_without_fleet", 1)
             return False
+        except MemoryStillInUseError:
+            self._count("transfers_stuck", 1)
+            raise
         self._add(key, dataclasses.asdict(stats))
         self._check_whole(key, source, fd, read_origin)
         return True

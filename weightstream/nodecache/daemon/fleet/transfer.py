@@ -27,9 +27,9 @@ import threading
 import time
 from types import ModuleType
 
-from weightstream.errors import CacheConfigError, FleetPeerError, logger
+from weightstream.errors import CacheConfigError, FleetPeerError, MemoryStillInUseError, logger
 from weightstream.nodecache.daemon.fleet.records import Offer
-from weightstream.sources.local.raw_mapping import blank, map_file, unmap
+from weightstream.sources.local.raw_mapping import blank, fence_off, map_file, unmap
 
 log = logger(__name__)
 
@@ -180,6 +180,9 @@ class PieceFetcher:
         """Transfers under way from each peer: a peer is forgotten once its last one ends."""
         self._forgetting: set[str] = set()
         """Peers to forget once their transfers end (reads from them wait for that, then load them again)."""
+        self.stuck: list[tuple[int, int]] = []
+        """Memory (address, bytes) that transfers which could not be released may still write: never reused."""
+        self._stuck_handles: list[tuple[object, object]] = []
         self._lock = threading.Condition()
         """Guards what is known of peers (never held across a transfer)."""
 
@@ -253,10 +256,16 @@ class PieceFetcher:
         local: tuple[int, str, int],
     ) -> None:
         """The NIXL READ itself of ``nbytes`` at ``offset`` of ``remote`` (agent ``name``'s) into ``local`` (each:
-        address, memory kind, device), bounded by the timeout from its start."""
+        address, memory kind, device), bounded by the timeout from its start.
+
+        Raises:
+            FleetPeerError: the peer failed or stalled.
+            MemoryStillInUseError: the transfer could not be released (see :meth:`_release`).
+        """
         agent = self._agent
         (remote_address, remote_memory, remote_device), (destination, memory, device) = remote, local
         registration = agent.register_memory([(destination, nbytes, device, "")], memory)  # type: ignore[attr-defined]
+        stuck = False
         try:
             started = time.monotonic()
             handle = agent.initialize_xfer(  # type: ignore[attr-defined]
@@ -277,13 +286,38 @@ class PieceFetcher:
                 if state == "ERR":
                     raise FleetPeerError(f"{peer}: the read of bytes {offset}..{offset + nbytes} failed")
             finally:
-                agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
-        except FleetPeerError:
+                if not self._release(handle, registration, local, nbytes):
+                    stuck = True  # this error, not the transfer's: the fill's memory is no longer its own
+                    raise MemoryStillInUseError(
+                        f"{peer}: the read of bytes {offset}..{offset + nbytes} could not be stopped: the {nbytes} "
+                        f"bytes it reads into at {destination:#x} are kept out of use, and their fill abandoned"
+                    )
+        except (FleetPeerError, MemoryStillInUseError):
             raise
         except Exception as error:  # noqa: BLE001 - NIXL's own errors (a peer gone: NIXL_ERR_REMOTE_DISCONNECT)
             raise FleetPeerError(f"{peer}: the read of bytes {offset}..{offset + nbytes} failed: {error}") from None
         finally:
-            agent.deregister_memory(registration)  # type: ignore[attr-defined]
+            if not stuck:
+                agent.deregister_memory(registration)  # type: ignore[attr-defined]
+
+    def _release(self, handle: object, registration: object, local: tuple[int, str, int], nbytes: int) -> bool:
+        """Release a transfer's ``handle``; whether it was. NIXL refuses where the transfer is still under way and
+        cannot be cancelled: it may still write the ``nbytes`` at ``local``, so that memory is kept out of use for
+        good (host memory: fenced off, a private mapping the fill never unmaps; its registration and the handle
+        are kept, so no page under them is ever handed out again)."""
+        try:
+            self._agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
+            return True
+        except Exception as error:  # noqa: BLE001 - NIXL_ERR_REPOST_ACTIVE and the like
+            destination, memory, _ = local
+            log.error("fleet: a transfer into %#x (%d bytes) could not be released (%s): kept out of use",
+                      destination, nbytes, error)  # fmt: skip
+            if memory == "DRAM":
+                fence_off(destination, nbytes)
+            with self._lock:
+                self.stuck.append((destination, nbytes))
+                self._stuck_handles.append((handle, registration))
+            return False
 
     def forget(self, peer: str) -> None:
         """Drop what is known of ``peer``'s agent (it left, restarted or failed): the next read loads it again.
