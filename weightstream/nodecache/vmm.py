@@ -22,11 +22,21 @@ from types import ModuleType
 
 import torch
 
-from weightstream.errors import CacheFullError, DeviceMemoryError, DeviceUnavailableError, logger
+from weightstream.errors import (
+    CacheFullError,
+    DeviceMemoryError,
+    DeviceUnavailableError,
+    MemoryStillInUseError,
+    logger,
+)
 from weightstream.memory.pinning import INSTALL_HINT
 from weightstream.nodecache.dlpack import tensor_at
 
 log = logger(__name__)
+
+KEPT_OUT_OF_USE: list[tuple[object, int, int]] = []
+"""Allocations (handle, address, bytes) a transfer that could not be stopped may still write into: mapped and held
+for the life of the process, never reused."""
 
 
 @functools.cache
@@ -154,18 +164,25 @@ class ExportedCopy:
                     f"{_describe(bindings, status)}"
                 )
             check(status, f"cuMemCreate({self.allocation_bytes}) for {what}")
+            kept = False
             try:
                 address = map_allocation(self._handle, self.allocation_bytes, index, writable=True)
                 try:
                     write(address)
+                except MemoryStillInUseError:
+                    kept = True  # a transfer that could not be stopped may still write it: never unmapped nor freed
+                    KEPT_OUT_OF_USE.append((self._handle, address, self.allocation_bytes))
+                    raise
                 finally:
-                    unmap_allocation(address, self.allocation_bytes)
+                    if not kept:
+                        unmap_allocation(address, self.allocation_bytes)
                 handle_type = bindings.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
                 status, fd = bindings.cuMemExportToShareableHandle(self._handle, handle_type, 0)
                 check(status, f"cuMemExportToShareableHandle for {what}")
                 self.fd = int(fd)
             except BaseException:
-                _logged(bindings.cuMemRelease(self._handle), f"cuMemRelease of {what}'s copy")
+                if not kept:
+                    _logged(bindings.cuMemRelease(self._handle), f"cuMemRelease of {what}'s copy")
                 raise
 
     def map_read_only(self) -> int:
