@@ -306,6 +306,40 @@ def test_a_daemon_whose_lease_expired_offers_its_files_again(tmp_path: Path):
         assert "registering again" in paused.log()
 
 
+def test_a_daemon_whose_name_was_taken_while_it_was_away_stays_out_of_the_fleet(tmp_path: Path):
+    """A daemon's lease expires (SIGSTOP) and another daemon starts with its name: when the first wakes it does not
+    take the name back, logs why, shows it in ``stats`` and fills from the origin alone (counted); the second keeps
+    the name under its own lease and fills from the fleet as usual."""
+    import signal
+
+    from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
+
+    state, size = origin_file(tmp_path, 512, 18)
+    with fleet_of(tmp_path, "/taken") as fleet, fleet.daemon("twin") as away:
+        gateway = EtcdGateway([fleet.etcd])
+        os.kill(away.process.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while gateway.get_prefix("/taken/nodes/") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert gateway.get_prefix("/taken/nodes/") == {}, "the stopped daemon's lease did not expire"
+        with fleet.daemon("taker", "--fleet-node", "twin") as taker:
+            _, lease = gateway.get_held("/taken/nodes/twin")
+            os.kill(away.process.pid, signal.SIGCONT)
+            while "stays out of the fleet" not in away.log() and time.monotonic() < deadline + 30:
+                time.sleep(0.2)
+            assert "a live node of the fleet has this name" in away.log(), away.log()[-2000:]
+            status = stats(away.socket)["fleet"]
+            assert "a live node of the fleet has this name" in status["out_of_fleet"], status
+            assert_same(weightstream.load_weights(fleet.file, cache=str(away.socket)), state)
+            assert stats(away.socket)["fleet"]["fills_without_fleet"] == 1
+            assert fleet.origin.ranged_bytes() >= size
+            assert_same(weightstream.load_weights(fleet.file, cache=str(taker.socket)), state)
+            taken = stats(taker.socket)["fleet"]
+            assert (taken["bytes_from_origin"], taken["bytes_from_peers"]) == (size, 0), "the away daemon offers"
+            assert gateway.get_held("/taken/nodes/twin")[1] == lease, "the name changed hands again"
+            assert taken["out_of_fleet"] is None
+
+
 def test_an_s3_origin_is_read_once_by_two_daemons(s3_endpoint, tmp_path: Path):
     """The same fleet fill from a real S3 server (SeaweedFS): the pieces are read from it once in all, the versions
     pinned by ETag, each daemon's load exact."""

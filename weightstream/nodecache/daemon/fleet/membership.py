@@ -39,6 +39,9 @@ class Membership:
         """Each called with the new lease after the node registered again (its keys under the old lease are gone);
         one that fails (etcd went away again) is called again at each renewal until it succeeds."""
         self._pending: list[Callable[[int], None]] = []
+        self.refused: str | None = None
+        """Why this node is out of the fleet for good (another daemon took its name while its lease had expired);
+        None while it is a member."""
         self.lease = self._register()
         self._renewer = threading.Thread(target=self._renew, name="weightstream-fleet-lease", daemon=True)
         self._renewer.start()
@@ -51,6 +54,8 @@ class Membership:
         """Leave the fleet: stop renewing and revoke the lease (this node's claims go with it)."""
         self._stop.set()
         self._renewer.join()
+        if self.refused is not None:
+            return  # its lease expired, and the name is another's
         try:
             self.etcd.revoke(self.lease)
         except FleetUnavailableError as error:
@@ -84,6 +89,7 @@ class Membership:
                     log.warning("fleet: cannot renew %s's lease: %s", self.node, error)
                 unreachable = True
             except CacheConfigError as error:  # another daemon took the name while this one was out of reach
+                self.refused = str(error)
                 log.error("fleet: %s; this node stays out of the fleet until it is restarted", error)
                 return
 

@@ -218,6 +218,11 @@ class FleetNode:
         def from_hosts() -> FillStats:
             return self._fill.fill(key, fd, source.size, read_origin)
 
+        if self.membership.refused is not None:
+            log.warning("%s: this node is out of the fleet (%s): filling from the origin alone",
+                        source.uri, self.membership.refused)  # fmt: skip
+            self._count("fills_without_fleet", 1)
+            return False
         os.ftruncate(fd, source.size)
         try:
             if gpu is None or self.devices is None:
@@ -316,7 +321,8 @@ class FleetNode:
         for counts in entries.values():
             counts.setdefault("bytes_served_to_peers", 0 if served is not None else None)
         total = None if served is None else sum(served.values())
-        return {"node": self.membership.node, **counters, "bytes_served_to_peers": total, "etcd_error": trouble,
+        return {"node": self.membership.node, "out_of_fleet": self.membership.refused, **counters,
+                "bytes_served_to_peers": total, "etcd_error": trouble,
                 "bad_records": self.membership.store.bad_records, "entries": entries}  # fmt: skip
 
     def close(self) -> None:
