@@ -17,6 +17,7 @@ import functools
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
@@ -34,6 +35,11 @@ from weightstream.nodecache.dlpack import tensor_at
 
 log = logger(__name__)
 
+CAPTURE_POLL_S = 0.05
+"""How often the unmapper looks whether a stream it waits for still captures a graph."""
+COMPRESSION_NONE = 0
+"""``CU_MEM_ALLOCATION_COMP_NONE`` (cuda.h defines it; cuda-python has no name for it): compressible memory cannot
+be handed to a NIC."""
 KEPT_OUT_OF_USE: list[tuple[object, int, int]] = []
 """Allocations (handle, address, bytes) a transfer that could not be stopped may still write into: mapped and held
 for the life of the process, never reused."""
@@ -117,13 +123,31 @@ def _primary_context(index: int) -> object:
 
 
 def _properties(index: int) -> object:
+    """How a copy on device ``index`` is allocated: pinned device memory exportable as a file descriptor, never
+    compressed, and usable by a NIC (GPUDirect RDMA) where the device supports it with VMM allocations: the fleet
+    offers these copies to peers' NICs through NIXL, and memory without the flag cannot be registered for RDMA (NCCL
+    and Mooncake set it the same way)."""
     bindings = driver()
     prop = bindings.CUmemAllocationProp()
     prop.type = bindings.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = bindings.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = index
     prop.requestedHandleTypes = bindings.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    prop.allocFlags.compressionType = COMPRESSION_NONE
+    prop.allocFlags.gpuDirectRDMACapable = 1 if _rdma_capable(index) else 0
     return prop
+
+
+@functools.cache
+def _rdma_capable(index: int) -> bool:
+    """Whether device ``index`` supports GPUDirect RDMA on VMM allocations."""
+    bindings = driver()
+    attribute = bindings.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+    status, device = bindings.cuDeviceGet(index)
+    check(status, f"cuDeviceGet({index})")
+    status, supported = bindings.cuDeviceGetAttribute(attribute, device)
+    check(status, "cuDeviceGetAttribute(GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)")
+    return bool(supported)
 
 
 def allocation_bytes(nbytes: int, index: int) -> int:
@@ -260,36 +284,67 @@ class Unmapper:
     """Unmaps imported allocations on a thread of its own, after the device has finished with them: torch frees a
     tensor's memory as its last reference dies, while kernels queued before may still read it (torch's allocator
     waits on streams; a foreign allocation gets no such care). The thread that drops the last view may be capturing
-    a CUDA graph, which engines do right after loading, where a synchronisation is illegal: so the drop only queues
-    the unmap, and this thread, in relaxed capture mode, synchronises the device and unmaps, logging failures."""
+    a CUDA graph, which engines do right after loading, and another thread of the process may be capturing on the
+    same GPU: a context or device synchronisation invalidates every capture on the device, whatever its mode. So the
+    drop only queues the unmap with the stream current where the view died (as torch's allocator, the stream whose
+    work counts; a view used on other streams is the user's to synchronise, as for any torch tensor), and this
+    thread, in relaxed capture mode, waits for that stream alone: once the stream is not capturing, an event is
+    recorded on it and waited for, then the allocation is unmapped. Nothing here ever synchronises a context."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, int, int, int]] = queue.SimpleQueue()
         self._started = False
         self._lock = threading.Lock()
 
-    def unmap_later(self, address: int, allocation_bytes: int, index: int) -> None:
-        """Queue the unmap of ``allocation_bytes`` at ``address`` on device ``index`` (from any thread)."""
+    def unmap_later(self, address: int, allocation_bytes: int, index: int, stream: int) -> None:
+        """Queue the unmap of ``allocation_bytes`` at ``address`` on device ``index`` once the work queued on
+        ``stream`` (a ``CUstream`` handle: the stream current where the last view died) is done (from any thread)."""
         with self._lock:
             if not self._started:
                 threading.Thread(target=self._run, name="weightstream-vmm-unmap", daemon=True).start()
                 self._started = True
-        self._queue.put((address, allocation_bytes, index))
+        self._queue.put((address, allocation_bytes, index, stream))
 
     def _run(self) -> None:
         bindings = driver()
         relaxed = bindings.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         _logged(bindings.cuThreadExchangeStreamCaptureMode(relaxed), "cuThreadExchangeStreamCaptureMode")
         while True:
-            address, allocation_bytes, index = self._queue.get()
+            address, allocation_bytes, index, stream = self._queue.get()
             try:
                 with on_device(index):
-                    _logged(bindings.cuCtxSynchronize(), f"cuCtxSynchronize before unmapping {address:#x}")
+                    _wait_for_stream(bindings, bindings.CUstream(stream), f"unmapping {address:#x}")
                     unmap_allocation(address, allocation_bytes)
             except Exception as error:  # noqa: BLE001 - this thread must outlive one failure; it is said
                 log.warning(
                     "unmapping %d bytes at %#x on device %d failed: %s", allocation_bytes, address, index, error
                 )
+
+
+def _wait_for_stream(bindings: ModuleType, stream: object, why: str) -> None:
+    """Wait for the work queued on ``stream`` so far without synchronising its context: while it is capturing (its
+    work is not work yet), look again every ``CAPTURE_POLL_S``; then record an event on it and wait for the event
+    (legal while other threads capture). A failure is logged, and the wait ends (the unmap goes on)."""
+    none = bindings.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    while True:
+        status, capturing = bindings.cuStreamIsCapturing(stream)
+        if status != bindings.CUresult.CUDA_SUCCESS:
+            _logged(status, f"cuStreamIsCapturing before {why}")
+            return
+        if capturing == none:
+            break
+        time.sleep(CAPTURE_POLL_S)
+    status, event = bindings.cuEventCreate(bindings.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    if status != bindings.CUresult.CUDA_SUCCESS:
+        _logged(status, f"cuEventCreate before {why}")
+        return
+    try:
+        (status,) = bindings.cuEventRecord(event, stream)
+        if status == bindings.CUresult.CUDA_SUCCESS:
+            (status,) = bindings.cuEventSynchronize(event)
+        _logged(status, f"waiting for the stream's work before {why}")
+    finally:
+        _logged(bindings.cuEventDestroy(event), f"cuEventDestroy before {why}")
 
 
 _unmapper = Unmapper()
@@ -318,9 +373,12 @@ def import_read_only(fd: int, nbytes: int, allocation_bytes: int, index: int, wh
             address = map_allocation(handle, allocation_bytes, index, writable=False)
         finally:
             _logged(bindings.cuMemRelease(handle), f"cuMemRelease of {what}'s imported handle")  # the mapping holds it
-    view = tensor_at(
-        address, nbytes, torch.device("cuda", index), lambda: _unmapper.unmap_later(address, allocation_bytes, index)
-    )
+
+    def unmap_later() -> None:
+        stream = torch.cuda.current_stream(index).cuda_stream  # where the last view died: its work counts
+        _unmapper.unmap_later(address, allocation_bytes, index, stream)
+
+    view = tensor_at(address, nbytes, torch.device("cuda", index), unmap_later)
     if view.data_ptr() != address:  # a copy would be memory of torch's, not the daemon's copy
         raise DeviceMemoryError(f"{what}: the imported copy at {address:#x} came back at {view.data_ptr():#x}")
     return view
