@@ -2,7 +2,7 @@
 file at ``URL`` (an HTTP origin) into ``OUTPUT`` with the fleet's help, prints where its bytes came from as JSON, then
 serves its copy to peers until its stdin closes. ``--piece-bytes N`` sets the piece size; ``--corrupt`` flips a byte
 of its copy after the fill (a peer serving bad bytes); ``--ttl S`` the lease, ``--piece-timeout S`` each transfer's
-deadline.
+deadline, ``--entry-ttl S`` the lease of the entry's plan and digests.
 
 Device copies without a GPU: :class:`HostCopies` stands for the daemon's device tier, its copies in anonymous host
 memory offered to peers as NIXL DRAM (the fleet's device path, everything but the GPU). ``--offer-device`` makes and
@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--device-fill", action="store_true")
     parser.add_argument("--ttl", type=int, default=5)
     parser.add_argument("--piece-timeout", type=float, default=30.0)
+    parser.add_argument("--entry-ttl", type=int, default=60)
     args = parser.parse_args()
 
     store = store_for(args.url)
@@ -87,7 +88,7 @@ def main() -> None:
     member = Membership(RecordStore(EtcdGateway([args.etcd]), args.prefix), args.node, ttl_s=args.ttl)
     fd = os.open(args.output, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     os.ftruncate(fd, source.size)
-    fleet = FleetFill(member, fetcher, server, piece_bytes=args.piece_bytes)
+    fleet = FleetFill(member, fetcher, server, piece_bytes=args.piece_bytes, entry_ttl_s=args.entry_ttl)
     copies = HostCopies()
     devices = PeerDevices(fleet, copies)
     if args.device_fill:
@@ -109,6 +110,7 @@ def main() -> None:
     made = [hashlib.sha256(copy).hexdigest() for copy in copies.copies.values()]
     print(json.dumps({**dataclasses.asdict(stats), "device_copies": made}), flush=True)
     sys.stdin.read()
+    fleet.close()
     member.close()
     server.close()
     source.close()

@@ -50,6 +50,10 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+class LeaseNotFound(FleetUnavailableError):
+    """etcd answered that the lease named has ended (expired or revoked): nothing was written."""
+
+
 def _key(key: str) -> str:
     """A key as etcd's gateway takes it (what :func:`_name` decoded from bytes that are not UTF-8 encodes back)."""
     return _b64(key.encode("utf-8", "surrogateescape"))
@@ -293,9 +297,9 @@ class EtcdGateway:
                     f"{endpoint.geturl()}{path}: HTTP {response.status}, not etcd's JSON: {text[:200]!r}"
                 ) from None
             if response.status != 200 or "error" in answer:
-                raise FleetUnavailableError(
-                    f"{endpoint.geturl()}{path}: HTTP {response.status}: {answer.get('error') or answer.get('message')}"
-                )
+                why = answer.get("error") or answer.get("message")
+                said = f"{endpoint.geturl()}{path}: HTTP {response.status}: {why}"
+                raise (LeaseNotFound if "requested lease not found" in said else FleetUnavailableError)(said)
             return answer
         raise FleetUnavailableError(f"no etcd endpoint answered {path}: {'; '.join(failures)}")
 

@@ -24,10 +24,11 @@ from collections.abc import Callable
 
 from weightstream.errors import FleetPeerError, FleetUnavailableError, SourceChangedError, logger
 from weightstream.nodecache.daemon.fleet.claims import Claims
+from weightstream.nodecache.daemon.fleet.entry_leases import ENTRY_TTL_S, EntryLeases
 from weightstream.nodecache.daemon.fleet.membership import Membership
 from weightstream.nodecache.daemon.fleet.records import Claim, Offer
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, memory_at
-from weightstream.sources.local.raw_mapping import map_file, unmap_around
+from weightstream.sources.local.raw_mapping import map_file, unmap, unmap_around
 
 log = logger(__name__)
 
@@ -135,6 +136,7 @@ class FleetFill:
         piece_bytes: int | None = None,
         stall_s: float = STALL_S,
         deadline: Callable[[int], float] = fill_deadline,
+        entry_ttl_s: int = ENTRY_TTL_S,
     ) -> None:
         self.membership, self.fetcher, self.server = membership, fetcher, server
         self.store, self.etcd, self.node = membership.store, membership.etcd, membership.node
@@ -146,7 +148,10 @@ class FleetFill:
         """Each entry this node holds whole, and where peers read it (put again under a new lease)."""
         self._read_from: dict[tuple[str, str], int] = {}
         """Bytes this node has read from each (peer, entry), to report as the peer's ``served`` count."""
+        self.entries = EntryLeases(self.store, self.node, entry_ttl_s)
+        """The plan and digests of what this node fills and holds, kept alive with its lease."""
         membership.on_registered_again.append(self._offer_again)
+        membership.renewals.append(self.entries.renew)
 
     def fill(self, entry: str, fd: int, size: int, read_origin: ReadOrigin) -> FillStats:
         """Fill the file ``fd`` (``size`` bytes long already) with ``entry``'s bytes; where they came from.
@@ -177,6 +182,7 @@ class FleetFill:
                 if isinstance(error, SourceChangedError) and seen_here:  # only a node that saw it reports it
                     self.etcd.put(self.keys.failed(entry), str(error).encode(), self.etcd.grant(FAILED_TTL_S))
                 self.etcd.delete(self.keys.segment(entry, self.node))
+                self.entries.drop(entry)
             raise
         finally:
             unmap_around(address, size, self.fetcher.stuck)  # what a transfer may still write stays mapped
@@ -199,11 +205,23 @@ class FleetFill:
             except FleetUnavailableError as error:
                 log.info("%s: %d bytes read from %s not reported (%s)", entry, nbytes, peer, error)
 
-    def offer(self, entry: str, fd: int, size: int) -> None:
-        """Offer ``entry``, held whole in the file ``fd`` (a segment this node had before it joined: adopted at
-        start), to the fleet as a complete copy."""
+    def offer(self, entry: str, fd: int, size: int, check: bool = False) -> int:
+        """Offer ``entry``, held whole in the file ``fd`` (the origin's bytes: a segment this node had before it
+        joined, adopted at start, or one checked whole since) to the fleet as a complete copy, with its plan and
+        digests (with ``check``, every digest taken from these bytes: see :meth:`EntryLeases.adopt`); how many
+        published digests differed from these bytes.
+
+        Raises:
+            FleetUnavailableError: etcd does not answer.
+        """
+        address = map_file(fd, size, mmap.PROT_READ)
+        try:
+            corrected = self.entries.adopt(entry, address, size, self.piece_bytes or piece_size(size), check)
+        finally:
+            unmap(address, size)
         self._offered[entry] = self.server.publish(entry, fd, size)
         self._offer_again(self.membership.lease, [entry])
+        return corrected
 
     def forget(self, entry: str) -> None:
         """This node no longer holds ``entry`` (evicted): peers stop looking for it here (etcd first, so no peer
@@ -219,8 +237,13 @@ class FleetFill:
             self.etcd.delete(self.keys.segment(entry, self.node))
             claims = Claims(self.store, self.node, lambda: self.membership.lease)
             claims.release_all(entry, claims.mine(entry))
+            self.entries.drop(entry)
         finally:
             self.server.withdraw(entry)
+
+    def close(self) -> None:
+        """Leave: the plan and digests of what only this node holds are deleted (the rest stay its peers')."""
+        self.entries.close()
 
     def _offer_again(self, lease: int, entries: list[str] | None = None) -> None:
         """Put the keys that say this node holds ``entries`` (default: all it holds) under ``lease``."""
@@ -237,35 +260,12 @@ class FleetFill:
             FleetUnavailableError: etcd does not answer, or holds a piece size that is not one (the caller fills
                 from the origin alone).
         """
-        piece_bytes = self.store.propose_plan(entry, self.piece_bytes or piece_size(size))
-        if piece_bytes is None:
-            raise FleetUnavailableError(f"the fleet's plan for {entry} holds no piece size (see the log)")
-        return piece_bytes
-
-    def correct_digests(self, entry: str, address: int, size: int) -> int:
-        """Publish the digest of each piece of ``entry`` as held at ``address`` (``size`` bytes, checked against the
-        origin's own digest of the whole: they are the origin's) where the fleet's differs; how many differed. A
-        digest a member published for bytes that were not the origin's would otherwise fail every later fetch of
-        that piece, and the origin's own bytes too.
-
-        Raises:
-            FleetUnavailableError: etcd does not answer.
-        """
-        piece_bytes = self.store.plan(entry)
-        if piece_bytes is None:
-            return 0
-        published, corrected = self.store.digests(entry), 0
-        for piece, (offset, nbytes) in enumerate(piece_spans(size, piece_bytes)):
-            sha256 = hashlib.sha256(memory_at(address + offset, nbytes)).hexdigest()
-            if published.get(piece) not in (None, sha256):
-                self.correct_digest(entry, piece, published[piece], sha256)
-                corrected += 1
-        return corrected
+        return self.entries.plan(entry, self.piece_bytes or piece_size(size))
 
     def correct_digest(self, entry: str, piece: int, published: str, sha256: str) -> None:
         """Publish ``sha256`` (of the origin's own bytes) as ``piece``'s digest where ``published`` was."""
         log.warning("%s piece %d's digest corrected to the origin's: %s... was published", entry, piece, published[:16])
-        self.etcd.put(self.keys.digest(entry, piece), sha256.encode())
+        self.entries.publish_digest(entry, piece, sha256)
 
 
 class _EntryFill:
@@ -405,6 +405,7 @@ class _EntryFill:
         self.read_origin(offset, nbytes, self.address + offset)
         sha256 = hashlib.sha256(memory_at(self.address + offset, nbytes)).hexdigest()
         if why != "claimed":
+            self.fleet.entries.know(self.entry, piece, sha256)
             if why == "refetched":
                 self._count(pieces_refetched=1, bytes_refetched=nbytes)
             else:
@@ -412,7 +413,7 @@ class _EntryFill:
             if claim is not None and claim.sha256 not in (None, sha256):
                 self._correct(piece, str(claim.sha256), sha256)
             return
-        self.fleet.etcd.put(self.fleet.keys.digest(self.entry, piece), sha256.encode())
+        self.fleet.entries.publish_digest(self.entry, piece, sha256)
         self.claims.done(self.entry, piece, sha256)
         self._count(bytes_from_origin=nbytes)
 
@@ -433,10 +434,13 @@ class _EntryFill:
             log.warning("%s piece %d: %s; reading it from the origin (and nothing more from %s in this fill)",
                         self.entry, piece, error, peer)  # fmt: skip
             self.read_origin(offset, nbytes, self.address + offset)
-            if (origin := hashlib.sha256(memory_at(self.address + offset, nbytes)).hexdigest()) != sha256:
+            origin = hashlib.sha256(memory_at(self.address + offset, nbytes)).hexdigest()
+            self.fleet.entries.know(self.entry, piece, origin)
+            if origin != sha256:
                 self._correct(piece, sha256, origin)
             self._count(peer_failures=1, pieces_refetched=1, bytes_refetched=nbytes)
             return
+        self.fleet.entries.know(self.entry, piece, sha256)
         self._count(bytes_from_peers=nbytes, pieces_verified=1)
         with self._lock:
             self.read_from[peer] = (self.read_from.get(peer, (0, 0))[0] + nbytes, lease)

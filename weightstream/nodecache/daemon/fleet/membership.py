@@ -39,6 +39,8 @@ class Membership:
         """Each called with the new lease after the node registered again (its keys under the old lease are gone);
         one that fails (etcd went away again) is called again at each renewal until it succeeds."""
         self._pending: list[Callable[[int], None]] = []
+        self.renewals: list[Callable[[], None]] = []
+        """Each called at every renewal of the lease (other leases this node keeps alive with it)."""
         self.refused: str | None = None
         """Why this node is out of the fleet for good (another daemon took its name while its lease had expired);
         None while it is a member."""
@@ -81,6 +83,8 @@ class Membership:
                     self.lease = self._register()
                     self._pending = list(self.on_registered_again)
                 self._call_pending()
+                for renewal in self.renewals:
+                    renewal()
                 if unreachable:
                     log.warning("fleet: etcd answers again")
                 unreachable = False

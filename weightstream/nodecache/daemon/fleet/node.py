@@ -262,8 +262,7 @@ class FleetNode:
             read_origin(0, source.size, address)
             check_held(source, fd)
             try:
-                self._fill.correct_digests(key, address, source.size)
-                self._fill.offer(key, fd, source.size)
+                self._add(key, {"digests_corrected": self._fill.offer(key, fd, source.size, check=True)})
             except FleetUnavailableError as error:
                 log.warning("fleet: %s read again from the origin, not offered (%s)", source.uri, error)
         finally:
@@ -327,6 +326,7 @@ class FleetNode:
 
     def close(self) -> None:
         """Leave the fleet (the lease revoked: every claim and offer of this node goes with it)."""
+        self._fill.close()
         self.membership.close()
         self.server.close()
         self.membership.etcd.close()

@@ -128,12 +128,16 @@ class RecordStore:
         value = self.etcd.get(key)
         return None if value is None else self.parsed(key, value, parse_plan)
 
-    def propose_plan(self, entry: str, piece_bytes: int) -> int | None:
-        """Propose pieces of ``piece_bytes`` for ``entry``; the agreed size (the first proposal's), None where what
-        etcd holds does not parse."""
+    def propose_plan(self, entry: str, piece_bytes: int, lease: int) -> tuple[int, int] | None:
+        """Propose pieces of ``piece_bytes`` for ``entry``, under ``lease``; the agreed size (the first proposal's)
+        and the lease that holds it (``lease`` where this proposal was the first), None where what etcd holds does
+        not parse."""
         key = self.keys.plan(entry)
-        held = self.etcd.create(key, str(piece_bytes).encode())
-        return piece_bytes if held is None else self.parsed(key, held.value, parse_plan)
+        held = self.etcd.create(key, str(piece_bytes).encode(), lease)
+        if held is None:
+            return piece_bytes, lease
+        agreed = self.parsed(key, held.value, parse_plan)
+        return None if agreed is None else (agreed, held.lease)
 
     def offer(self, key: str) -> tuple[Offer, int] | None:
         """The offer at ``key`` (a segment's, a whole copy's or a device copy's) and its lease; None where there is

@@ -7,11 +7,13 @@ there: a value or a key name that does not parse raises :class:`UnparsableRecord
 Keys (under the fleet's prefix; ``entry`` is a segment key, which holds the origin's version: versions never mix):
 
 - ``nodes/{node}``: a live node, :class:`NodeRecord` (under its lease);
-- ``plan/{entry}``: the entry's piece size in bytes (decimal), set by the first node to fill it (no lease yet: it
-  outlives the entry's holders; issue 39's section 2 gives it an end);
+- ``plan/{entry}``: the entry's piece size in bytes (decimal), set by the first node to fill it, under the entry's
+  own lease, which every node filling or holding the entry keeps alive
+  (:mod:`~weightstream.nodecache.daemon.fleet.entry_leases`): deleted by the last holder to evict it or leave;
 - ``pieces/{entry}/{piece}``: a :class:`Claim` (under the claimer's lease);
-- ``digests/{entry}/{piece}``: the piece's sha256 (hex), published by the node that read it from the origin (no
-  lease: it outlives that node, for every later fetch to be checked; as ``plan/``, it has no end yet);
+- ``digests/{entry}/{piece}``: the piece's sha256 (hex), published by the node that read it from the origin, under
+  the entry's lease (as ``plan/``: it outlives that node, for every later fetch to be checked, and ends with the
+  entry's last holder);
 - ``segments/{entry}/{node}``: an :class:`Offer`: where ``node``'s copy of the entry is (whole or filling);
 - ``complete/{entry}/{node}``: the same :class:`Offer` once ``node`` holds every piece: a late joiner's source;
 - ``devices/{entry}/{node}/{gpu}``: an :class:`Offer` of ``node``'s device copy on GPU ``gpu``;
