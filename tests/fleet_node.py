@@ -1,8 +1,9 @@
 """A fleet node for the tests, as a process of its own: joins the fleet at ``ETCD PREFIX`` as ``NODE``, fills the
 file at ``URL`` (an HTTP origin) into ``OUTPUT`` with the fleet's help, prints where its bytes came from as JSON, then
-serves its copy to peers until its stdin closes. ``--piece-bytes N`` sets the piece size; ``--corrupt`` flips a byte
-of its copy after the fill (a peer serving bad bytes); ``--ttl S`` the lease, ``--piece-timeout S`` each transfer's
-deadline, ``--entry-ttl S`` the lease of the entry's plan and digests.
+serves its copy to peers until its stdin closes, prints the bytes its peers read from it (JSON) and leaves.
+``--piece-bytes N`` sets the piece size; ``--corrupt`` flips a byte of its copy after the fill (a peer serving bad
+bytes); ``--ttl S`` the lease, ``--piece-timeout S`` each transfer's deadline, ``--entry-ttl S`` the lease of the
+entry's plan and digests.
 
 Device copies without a GPU: :class:`HostCopies` stands for the daemon's device tier, its copies in anonymous host
 memory offered to peers as NIXL DRAM (the fleet's device path, everything but the GPU). ``--offer-device`` makes and
@@ -110,6 +111,7 @@ def main() -> None:
     made = [hashlib.sha256(copy).hexdigest() for copy in copies.copies.values()]
     print(json.dumps({**dataclasses.asdict(stats), "device_copies": made}), flush=True)
     sys.stdin.read()
+    print(json.dumps({"served": fleet.served_to_peers()}), flush=True)
     fleet.close()
     member.close()
     server.close()

@@ -36,15 +36,15 @@ def test_a_device_copy_is_read_from_a_peers_copy_and_checked_piece_by_piece(etcd
         assert filled["bytes_from_peer_devices"] == filled["bytes_from_peers"] == len(data), filled
         assert (filled["bytes_from_origin"], filled["pieces_verified"], filled["peer_failures"]) == (0, 6, 0)
         assert server.ranged_bytes() == before, "the device fill read from the origin"
-        served = EtcdGateway([etcd]).get_prefix("/devices/served/holder/")
-        assert list(served.values()) == [str(len(data)).encode()], "the holder's served bytes were not reported"
-        (entry,) = [key.split("/")[-2] for key in served]  # served/HOLDER/ENTRY/READER
         fleet = describe_fleet(parse_fleet([etcd.replace("http://", "etcd://") + "/devices"]))
+        (entry,) = fleet["nodes"]["holder"]["complete"]
         assert fleet["nodes"]["holder"]["devices"] == [f"{entry} {GPU}"], fleet
         assert fleet["nodes"]["reader"]["complete"] == [entry], "the reader's segment was not offered"
         reader.leave()
-    finally:
+    except BaseException:
         holder.leave()
+        raise
+    assert holder.leave() == {entry: len(data)}, "the holder did not count the bytes its peer read"
 
 
 def test_a_peer_whose_device_copy_is_bad_is_caught_and_the_fill_goes_the_host_way(etcd: str, origin, tmp_path: Path):

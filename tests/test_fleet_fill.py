@@ -51,13 +51,16 @@ class Node:
                 return json.loads(line)
         raise AssertionError(self.process.stderr.read())  # type: ignore[union-attr]
 
-    def leave(self) -> None:
+    def leave(self) -> dict[str, int]:
+        """Close the node's stdin: it leaves; the bytes of each entry its peers read from it."""
         self.process.stdin.close()  # type: ignore[union-attr]
         code = self.process.wait(timeout=60)
         said = self.process.stderr.read()  # type: ignore[union-attr]
+        lines = [line for line in self.process.stdout if line.startswith('{"served"')]  # type: ignore[union-attr]
         self.process.stdout.close()  # type: ignore[union-attr]
         self.process.stderr.close()  # type: ignore[union-attr]
         assert code == 0, said
+        return json.loads(lines[0])["served"] if lines else {}
 
 
 @pytest.fixture
@@ -191,8 +194,8 @@ def test_a_node_that_only_reads_a_failed_report_does_not_write_it_again(etcd: st
     reporter = gateway.grant(60)
     probe = Node(etcd, "/report", "probe", url, tmp_path / "probe")  # finds the entry's key
     probe.stats()
-    probe.leave()
     (plan,) = gateway.get_prefix("/report/plan/")
+    probe.leave()
     entry = plan.rsplit("/", 1)[1]
     gateway.delete_prefix("/report/")
     gateway.put(f"/report/failed/{entry}", b"seen by another node", reporter)
@@ -447,3 +450,33 @@ def test_a_transfer_that_cannot_be_released_fences_its_memory_off_and_abandons_t
         server.close()
         holder.leave()
         gateway.delete_prefix("/stuck/")
+
+
+def test_bytes_served_are_counted_from_the_readers_notices_and_a_bad_notice_is_skipped(tmp_path: Path):
+    """A reader's agent tells the server's, as each read ends, what it read (NIXL's notification of a one-sided
+    read): the server counts it per entry with no etcd key; a notice that is not a count (here an entry name that is
+    not one) is skipped and counted, logged once."""
+    import ctypes
+    import mmap
+
+    from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer
+
+    size = 2 * PIECE
+    (tmp_path / "segment").write_bytes(os.urandom(size))
+    server, fetcher = PieceServer("serving"), PieceFetcher("reading")
+    into = mmap.mmap(-1, size)
+    try:
+        with open(tmp_path / "segment", "rb") as file:
+            where = server.publish("entry-n", file.fileno(), size)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(into))
+        fetcher.read("serving", where, 0, PIECE, address, served_as="entry-n")
+        fetcher.read("serving", where, PIECE, PIECE, address + PIECE, served_as="entry-n")
+        fetcher.read("serving", where, 0, PIECE, address, served_as="../evil")
+        deadline = time.monotonic() + 30
+        while (server.served(), server.bad_notices) != ({"entry-n": size}, 1):
+            assert time.monotonic() < deadline, (server.served(), server.bad_notices)
+            time.sleep(0.05)
+        assert into[:] == (tmp_path / "segment").read_bytes()
+    finally:
+        server.close()
+        into.close()

@@ -115,10 +115,10 @@ class PeerDevices:
         failures = 0
         address = map_file(fd, size, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
-            for peer, where, lease in holders:
+            for peer, where in holders:
                 stats = FillStats()
                 try:
-                    read = self._reader(peer, where, self.copies.index_of(uuid), address, digests, stats)
+                    read = self._reader(peer, where, entry, self.copies.index_of(uuid), address, digests, stats)
                     if not self.copies.make(entry, uuid, size, uri, read):
                         break  # a copy there already (made from a segment meanwhile): the segment comes the host way
                 except FleetPeerError as error:
@@ -130,7 +130,6 @@ class PeerDevices:
                     log.warning("%s: no device copy made from a peer's (%s): filling the host way", uri, error)
                     break
                 stats.peer_failures = failures
-                self.fleet.report_served(entry, {peer: (size, lease)})
                 try:
                     self.fleet.offer(entry, fd, size)
                 except FleetUnavailableError as error:
@@ -146,18 +145,26 @@ class PeerDevices:
         self,
         peer: str,
         where: Offer,
+        entry: str,
         device: int,
         host: int,
         digests: list[tuple[int, int, str]],
         stats: FillStats,
     ) -> Callable[[int], None]:
-        """The ``write`` that reads ``peer``'s copy piece by piece into a new copy at ``address`` on ``device``, each
-        piece copied to host memory at ``host`` and checked against its digest there."""
+        """The ``write`` that reads ``peer``'s copy of ``entry`` piece by piece into a new copy at ``address`` on
+        ``device``, each piece copied to host memory at ``host`` and checked against its digest there."""
 
         def read(address: int) -> None:
             for offset, nbytes, sha256 in digests:
                 self.fleet.fetcher.read(
-                    peer, where, offset, nbytes, address + offset, memory=self.copies.memory, device=device
+                    peer,
+                    where,
+                    offset,
+                    nbytes,
+                    address + offset,
+                    memory=self.copies.memory,
+                    device=device,
+                    served_as=entry,
                 )
                 self.copies.to_host(address + offset, host + offset, nbytes)
                 got = hashlib.sha256(memory_at(host + offset, nbytes)).hexdigest()
@@ -172,8 +179,8 @@ class PeerDevices:
 
         return read
 
-    def _holders(self, entry: str, size: int) -> list[tuple[str, Offer, int]]:
-        """Other nodes' device copies of ``entry`` (peer, where, the lease of its offer), in an order of this node's
+    def _holders(self, entry: str, size: int) -> list[tuple[str, Offer]]:
+        """Other nodes' device copies of ``entry`` (peer, where), in an order of this node's
         own (nodes filling at once spread over the holders); none where etcd does not answer."""
         try:
             offers = self.fleet.store.device_offers(entry)
@@ -181,8 +188,8 @@ class PeerDevices:
             log.warning("fleet: %s: device copies not looked up (%s)", entry, error)
             return []
         holders = [
-            (peer, where, lease)
-            for peer, where, lease in offers
+            (peer, where)
+            for peer, where, _ in offers
             if peer != self.fleet.node and where.size == size and where.gpu is not None
         ]
         turn = zlib.crc32(self.fleet.node.encode()) % len(holders) if holders else 0

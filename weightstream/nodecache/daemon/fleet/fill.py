@@ -2,7 +2,7 @@
 and fetched by every other node from a node that holds it, so the origin serves about one copy whatever the number
 of nodes; a node that comes later fetches everything from peers.
 
-Keys: ``plan/``, ``pieces/``, ``digests/``, ``segments/``, ``complete/``, ``failed/`` and ``served/`` of the entry
+Keys: ``plan/``, ``pieces/``, ``digests/``, ``segments/``, ``complete/`` and ``failed/`` of the entry
 (:mod:`~weightstream.nodecache.daemon.fleet.records` says what each holds, and for how long).
 
 Example:
@@ -146,12 +146,11 @@ class FleetFill:
         long a claim may stall, and how long a fill of a given size waits for peers."""
         self._offered: dict[str, Offer] = {}
         """Each entry this node holds whole, and where peers read it (put again under a new lease)."""
-        self._read_from: dict[tuple[str, str], int] = {}
-        """Bytes this node has read from each (peer, entry), to report as the peer's ``served`` count."""
         self.entries = EntryLeases(self.store, self.node, entry_ttl_s)
         """The plan and digests of what this node fills and holds, kept alive with its lease."""
         membership.on_registered_again.append(self._offer_again)
         membership.renewals.append(self.entries.renew)
+        membership.renewals.append(self.served_to_peers)  # the notices collected: they wait in the agent till then
 
     def fill(self, entry: str, fd: int, size: int, read_origin: ReadOrigin) -> FillStats:
         """Fill the file ``fd`` (``size`` bytes long already) with ``entry``'s bytes; where they came from.
@@ -168,10 +167,7 @@ class FleetFill:
             where = self.server.publish(entry, fd, size)
             self.etcd.put(self.keys.segment(entry, self.node), where.encode(), self.membership.lease)
             entry_fill = _EntryFill(self, entry, address, size, read_origin)
-            try:
-                stats = entry_fill.run()
-            finally:
-                self.report_served(entry, entry_fill.read_from)
+            stats = entry_fill.run()
             self._offered[entry] = where
             self.etcd.put(self.keys.complete(entry, self.node), where.encode(), self.membership.lease)
             return stats
@@ -188,22 +184,9 @@ class FleetFill:
             unmap_around(address, size, self.fetcher.stuck)  # what a transfer may still write stays mapped
 
     def served_to_peers(self) -> dict[str, int]:
-        """The bytes of each entry this node's peers have read from it (what they reported).
-
-        Raises:
-            FleetUnavailableError: etcd does not answer.
-        """
-        return self.store.served_by(self.node)
-
-    def report_served(self, entry: str, read_from: dict[str, tuple[int, int]]) -> None:
-        """Tell each peer this fill read from (with the lease of the peer's offer, so the count goes when it does)
-        how many bytes of ``entry`` it has served this node in all."""
-        for peer, (nbytes, lease) in read_from.items():
-            total = self._read_from[peer, entry] = self._read_from.get((peer, entry), 0) + nbytes
-            try:
-                self.etcd.put(self.keys.served(peer, entry, self.node), str(total).encode(), lease)
-            except FleetUnavailableError as error:
-                log.info("%s: %d bytes read from %s not reported (%s)", entry, nbytes, peer, error)
+        """The bytes of each entry this node's peers have read from it, as their agents told this node's
+        (:meth:`PieceServer.served`: nothing in etcd)."""
+        return self.server.served()
 
     def offer(self, entry: str, fd: int, size: int, check: bool = False) -> int:
         """Offer ``entry``, held whole in the file ``fd`` (the origin's bytes: a segment this node had before it
@@ -279,8 +262,6 @@ class _EntryFill:
         self.spans = piece_spans(size, fleet.plan(entry, size))
         self.claims = Claims(fleet.store, fleet.node, lambda: fleet.membership.lease)
         self.stats = FillStats()
-        self.read_from: dict[str, tuple[int, int]] = {}
-        """Bytes read from each peer, and the lease of that peer's offer."""
         self._lock = threading.Lock()
         self._waiting_since: dict[int, float] = {}
         self.claimed: set[int] = set()
@@ -425,8 +406,9 @@ class _EntryFill:
             offered = self.fleet.store.offer(self.fleet.keys.segment(self.entry, peer))
             if offered is None:
                 raise FleetPeerError(f"{peer}: no longer offers it")
-            where, lease = offered
-            self.fleet.fetcher.read(peer, where, offset, nbytes, self.address + offset, sha256)
+            self.fleet.fetcher.read(
+                peer, offered[0], offset, nbytes, self.address + offset, sha256, served_as=self.entry
+            )
         except FleetPeerError as error:
             with self._lock:
                 self.failed_peers.add(peer)
@@ -442,8 +424,6 @@ class _EntryFill:
             return
         self.fleet.entries.know(self.entry, piece, sha256)
         self._count(bytes_from_peers=nbytes, pieces_verified=1)
-        with self._lock:
-            self.read_from[peer] = (self.read_from.get(peer, (0, 0))[0] + nbytes, lease)
 
     def _correct(self, piece: int, published: str, sha256: str) -> None:
         """The origin's own bytes of ``piece`` (read pinned to the entry's version: a changed origin raises) hash to

@@ -39,8 +39,10 @@ class Membership:
         """Each called with the new lease after the node registered again (its keys under the old lease are gone);
         one that fails (etcd went away again) is called again at each renewal until it succeeds."""
         self._pending: list[Callable[[int], None]] = []
-        self.renewals: list[Callable[[], None]] = []
+        self.renewals: list[Callable[[], object]] = []
         """Each called at every renewal of the lease (other leases this node keeps alive with it)."""
+        self.etcd_error: str | None = None
+        """Why the last renewal failed (etcd out of reach), None once one succeeds."""
         self.refused: str | None = None
         """Why this node is out of the fleet for good (another daemon took its name while its lease had expired);
         None while it is a member."""
@@ -87,11 +89,11 @@ class Membership:
                     renewal()
                 if unreachable:
                     log.warning("fleet: etcd answers again")
-                unreachable = False
+                unreachable, self.etcd_error = False, None
             except FleetUnavailableError as error:
                 if not unreachable:
                     log.warning("fleet: cannot renew %s's lease: %s", self.node, error)
-                unreachable = True
+                unreachable, self.etcd_error = True, str(error)
             except CacheConfigError as error:  # another daemon took the name while this one was out of reach
                 self.refused = str(error)
                 log.error("fleet: %s; this node stays out of the fleet until it is restarted", error)

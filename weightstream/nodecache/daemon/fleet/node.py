@@ -300,29 +300,25 @@ class FleetNode:
             log.warning("fleet: %s evicted, but etcd was not told (%s): its keys go with this node's lease", key, error)
 
     def status(self) -> dict[str, object]:
-        """This node's counts in all and per entry, with the bytes its peers read from it (asked of etcd: None, with
-        ``etcd_error``, when it does not answer).
+        """This node's counts in all and per entry, with the bytes its peers read from it (as their agents told this
+        node's), and why etcd was last out of reach (``etcd_error``: None while its lease renews).
 
         Example:
             >>> node.status()["bytes_served_to_peers"]  # doctest: +SKIP
             268435456
         """
-        try:
-            served: dict[str, int] | None = self._fill.served_to_peers()
-            trouble = None
-        except FleetUnavailableError as error:
-            served, trouble = None, str(error)
+        served = self._fill.served_to_peers()
         with self._lock:
             entries = {key: dict(counts) for key, counts in self.entries.items()}
             counters = dict(self.counters)
-        for key, nbytes in (served or {}).items():
+        for key, nbytes in served.items():
             entries.setdefault(key, dataclasses.asdict(FillStats()))["bytes_served_to_peers"] = nbytes
         for counts in entries.values():
-            counts.setdefault("bytes_served_to_peers", 0 if served is not None else None)
-        total = None if served is None else sum(served.values())
+            counts.setdefault("bytes_served_to_peers", 0)
         return {"node": self.membership.node, "out_of_fleet": self.membership.refused, **counters,
-                "bytes_served_to_peers": total, "etcd_error": trouble,
-                "bad_records": self.membership.store.bad_records, "entries": entries}  # fmt: skip
+                "bytes_served_to_peers": sum(served.values()), "etcd_error": self.membership.etcd_error,
+                "bad_records": self.membership.store.bad_records, "bad_notices": self.server.bad_notices,
+                "entries": entries}  # fmt: skip
 
     def close(self) -> None:
         """Leave the fleet (the lease revoked: every claim and offer of this node goes with it)."""

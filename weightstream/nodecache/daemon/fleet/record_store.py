@@ -24,7 +24,6 @@ from weightstream.nodecache.daemon.fleet.records import (
     Offer,
     UnparsableRecord,
     parse_claim,
-    parse_count,
     parse_digest,
     parse_node,
     parse_offer,
@@ -161,13 +160,6 @@ class RecordStore:
         """Why a node found ``entry``'s origin changed, where one did."""
         value = self.etcd.get(self.keys.failed(entry))
         return None if value is None else parse_reason(value)
-
-    def served_by(self, node: str) -> dict[str, int]:
-        """The bytes of each entry ``node``'s peers report having read from it."""
-        served: dict[str, int] = {}
-        for (entry, _), (count, _) in self._range(self.keys.served(node), 2, parse_count).items():
-            served[entry] = served.get(entry, 0) + count
-        return served
 
     def offered(self) -> tuple[set[tuple[str, ...]], set[tuple[str, ...]], set[tuple[str, ...]]]:
         """Every (entry, node) offered as a segment and as a whole copy, and every (entry, node, gpu) device copy."""

@@ -17,9 +17,9 @@ Keys (under the fleet's prefix; ``entry`` is a segment key, which holds the orig
 - ``segments/{entry}/{node}``: an :class:`Offer`: where ``node``'s copy of the entry is (whole or filling);
 - ``complete/{entry}/{node}``: the same :class:`Offer` once ``node`` holds every piece: a late joiner's source;
 - ``devices/{entry}/{node}/{gpu}``: an :class:`Offer` of ``node``'s device copy on GPU ``gpu``;
-- ``failed/{entry}``: why the node that saw it found the origin changed (text, under a lease of its own);
-- ``served/{node}/{entry}/{fetcher}``: the bytes of ``entry`` that ``fetcher`` read from ``node`` (decimal, under
-  the lease of ``node``'s offer).
+- ``failed/{entry}``: why the node that saw it found the origin changed (text, under a lease of its own).
+
+(``bytes_served_to_peers`` travels in NIXL's own notifications of each read, not in etcd.)
 
 Example:
     >>> keys = FleetKeys("/weightstream")
@@ -178,11 +178,6 @@ def parse_plan(value: bytes) -> int:
     return _decimal(value, MIN_PIECE_BYTES, MAX_PIECE_BYTES)
 
 
-def parse_count(value: bytes) -> int:
-    """A ``served/`` value: a count of bytes."""
-    return _decimal(value, 0, 1 << 62)
-
-
 def parse_reason(value: bytes) -> str:
     """A ``failed/`` value: text (what is not UTF-8 replaced, at most ``MAX_REASON`` characters)."""
     return value[: MAX_REASON * 4].decode("utf-8", "replace")[:MAX_REASON]
@@ -224,9 +219,6 @@ class FleetKeys:
 
     def failed(self, entry: str) -> str:
         return f"{self.prefix}failed/{entry}"
-
-    def served(self, node: str, entry: str = "", fetcher: str = "") -> str:
-        return f"{self.prefix}served/{node}/{entry}/{fetcher}" if entry else f"{self.prefix}served/{node}/"
 
     def family(self, kind: str) -> str:
         """The prefix of every key of ``kind`` (``"segments"``, ``"complete"``, ...)."""
