@@ -46,7 +46,7 @@ def test_a_fill_whose_memory_may_still_be_written_is_filled_again_into_a_fresh_f
         try:
             filler = StuckFiller()
             segments = SegmentStore(str(cache), None)
-            segment = segments.fill("k" * 32, source, threads=2, fleet=filler)  # type: ignore[arg-type]
+            segment = segments.fill("k" * 32, source, threads=2, filler=filler)
         finally:
             source.close()
             store.close()

@@ -6,14 +6,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
+from weightstream.checkpoint.reading import CheckpointReads
 from weightstream.errors import CheckpointClosedError
-
-if TYPE_CHECKING:
-    from weightstream.checkpoint.handle import Checkpoint
 
 Item = TypeVar("Item")
 
@@ -22,7 +20,7 @@ class TrackedReads(Generic[Item]):
     """An iterator of a checkpoint's: counts what it hands out, and stops when the checkpoint closes."""
 
     def __init__(
-        self, checkpoint: Checkpoint, inner: Iterator[Item], count: Callable[[Item], tuple[int, int]] | None
+        self, checkpoint: CheckpointReads, inner: Iterator[Item], count: Callable[[Item], tuple[int, int]] | None
     ) -> None:
         """``count(item)``: the tensors and bytes ``item`` holds; ``None``: the caller counts (a slice's pieces)."""
         self._checkpoint = checkpoint

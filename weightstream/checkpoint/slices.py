@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
+from weightstream.checkpoint.reading import CheckpointReads
 from weightstream.formats.safetensors import DTYPE_NAMES
 from weightstream.planning.plan import TensorSpec
 from weightstream.planning.slices import plan_slice
 from weightstream.sources import REMOTE_SCHEMES
-
-if TYPE_CHECKING:
-    from weightstream.checkpoint.handle import Checkpoint
 
 LOCAL_RUN_COST_BYTES = 64 << 10
 """A slice reads up to this many unwanted bytes of a local file to save one positional read."""
@@ -39,7 +36,7 @@ class TensorSlice:
         ((128256, 4096), (128256, 128))
     """
 
-    def __init__(self, checkpoint: Checkpoint, spec: TensorSpec) -> None:
+    def __init__(self, checkpoint: CheckpointReads, spec: TensorSpec) -> None:
         self._checkpoint = checkpoint
         self._spec = spec
 
@@ -76,7 +73,7 @@ class TensorSlice:
         return f"<weightstream.TensorSlice {self._spec.name!r} {self.get_dtype()} {list(self._spec.shape)}>"
 
 
-def _read_runs(checkpoint: Checkpoint, spec: TensorSpec, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
+def _read_runs(checkpoint: CheckpointReads, spec: TensorSpec, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """The bytes of ``runs`` (offsets from the tensor's first byte), concatenated, on the checkpoint's destination.
 
     Pieces are read into memory of their own (no views of a whole mapping, no cuFile for a few bytes), as copies

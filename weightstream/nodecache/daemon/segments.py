@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from weightstream.errors import (
     CacheConfigError,
@@ -43,15 +43,32 @@ from weightstream.nodecache.daemon.directory import MARKER, is_cache_file
 from weightstream.nodecache.daemon.limits import MEMORY_RESERVE_BYTES, cgroup_room, mem_available, tmpfs_huge_pages
 from weightstream.nodecache.daemon.references import references
 from weightstream.nodecache.protocol import HEAD_BYTES, KEY, head_digest
-from weightstream.sources import REMOTE_SCHEMES
 from weightstream.sources.base import CheckedWhole, Source
 from weightstream.sources.local.file import DIRECT_ALIGNMENT
 from weightstream.sources.local.raw_mapping import advise, map_file, unmap
 
-if TYPE_CHECKING:
-    from weightstream.nodecache.daemon.fleet.node import FleetNode
-
 log = logger(__name__)
+
+
+class Filler(Protocol):
+    """Another way than the origin alone to fill a segment, which the server picks (a fleet's node: pieces from its
+    peers); the segment store knows only this."""
+
+    def fill(
+        self, key: str, source: Source, fd: int, threads: int, cancel: threading.Event | None, gpu: str | None
+    ) -> bool:
+        """Fill the file ``fd`` with ``source``'s bytes, checked whole against what the origin says of them; False
+        where it did not (the store reads the origin alone).
+
+        Raises:
+            MemoryStillInUseError: memory of ``fd``'s may still be written (the store fills a fresh file).
+        """
+        ...
+
+    def evicted(self, key: str) -> None:
+        """Segment ``key``, filled by :meth:`fill`, is not kept (or was evicted)."""
+        ...
+
 
 FILL_CHUNK_BYTES = 8 << 20
 """The fill's read requests."""
@@ -200,12 +217,11 @@ class SegmentStore:
         source: Source,
         threads: int,
         cancel: threading.Event | None = None,
-        fleet: FleetNode | None = None,
+        filler: Filler | None = None,
         gpu: str | None = None,
     ) -> Segment:
-        """Read ``source`` whole into a new segment ``key`` and publish it (file, then manifest); with ``fleet``, a
-        remote source's pieces come from the fleet's nodes where one has them (for a client wanting a copy on GPU
-        ``gpu``: from a peer's device copy where one serves it).
+        """Read ``source`` whole into a new segment ``key`` and publish it (file, then manifest); with ``filler``,
+        filled by it where it can (for a client wanting a copy on GPU ``gpu``), else from the origin.
 
         Safe to run outside the daemon's lock: it writes only its own temporary file until it renames it.
         On any error the temporary file is removed and nothing is published. Once ``cancel`` is set, reads not yet
@@ -213,7 +229,7 @@ class SegmentStore:
         file's memory may still be written (:class:`MemoryStillInUseError`), a fresh file is filled from the origin.
         """
         try:
-            return self._fill(key, source, threads, cancel, fleet, gpu)
+            return self._fill(key, source, threads, cancel, filler, gpu)
         except MemoryStillInUseError as error:
             log.warning("%s: %s: filled again from the origin, into a fresh file", redact(source.uri), error)
             return self._fill(key, source, threads, cancel, None, gpu)
@@ -224,23 +240,21 @@ class SegmentStore:
         source: Source,
         threads: int,
         cancel: threading.Event | None,
-        fleet: FleetNode | None,
+        filler: Filler | None,
         gpu: str | None,
     ) -> Segment:
         started = time.perf_counter()
         temporary = os.path.join(self.directory, f"tmp-{key}-{os.getpid()}-{time.monotonic_ns()}")
         fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        from_fleet = False
+        filled = False
         try:
             try:
-                # A remote file with a fleet: its pieces from the fleet (False: etcd went away, the origin alone).
-                remote = fleet is not None and source.uri.startswith(REMOTE_SCHEMES)
-                from_fleet = bool(source.size) and remote and fleet.fill(key, source, fd, threads, cancel, gpu)  # type: ignore[union-attr]
-                if source.size and not from_fleet:
+                filled = bool(source.size) and filler is not None and filler.fill(key, source, fd, threads, cancel, gpu)
+                if source.size and not filled:
                     self._read_origin(source, fd, threads, cancel)
                 if not isinstance(source, CheckedWhole):
                     source.verify_unchanged()
-                elif not from_fleet:  # a fleet's fill checked the bytes it holds against the whole already
+                elif not filled:  # the filler checked the bytes it filled against the whole already
                     source.verify_whole()  # only bytes of a blob checked whole are ever published
                 head = head_digest(os.pread(fd, min(source.size, HEAD_BYTES), 0)) if source.size else head_digest(b"")
                 os.fchmod(fd, 0o444)
@@ -250,8 +264,8 @@ class SegmentStore:
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
-            if from_fleet:
-                fleet.evicted(key)  # type: ignore[union-attr]  # peers no longer read a file that is not kept
+            if filled and filler is not None:
+                filler.evicted(key)  # what it offers of a file that is not kept goes
             raise
         segment = Segment(
             key, redact(source.uri), source.size, source.version, head, time.perf_counter() - started, time.time()

@@ -195,8 +195,8 @@ class FleetNode:
         """Fill the file ``fd`` with ``source``'s bytes with the fleet's help (sizing it first), for a client that
         wants its copy on GPU ``gpu`` where one is named (read from a peer's device copy where one serves it, this
         node's device copy made on the way), then checked whole against the origin's digest where it has one (see
-        :meth:`_check_whole`); False where etcd went away (logged and counted): the caller then reads the whole
-        file from the origin as it would alone.
+        :meth:`_check_whole`); False for a local file (this node's alone), out of the fleet, or where etcd went away
+        (logged and counted): the caller then reads the whole file from the origin as it would alone.
 
         Raises:
             SourceChangedError, SourceError: as the origin's reads raise them.
@@ -218,6 +218,8 @@ class FleetNode:
         def from_hosts() -> FillStats:
             return self._fill.fill(key, fd, source.size, read_origin)
 
+        if not source.uri.startswith(REMOTE_SCHEMES):
+            return False  # a local file is this node's alone
         if self.membership.refused is not None:
             log.warning("%s: this node is out of the fleet (%s): filling from the origin alone",
                         source.uri, self.membership.refused)  # fmt: skip

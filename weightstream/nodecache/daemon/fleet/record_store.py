@@ -94,8 +94,11 @@ class RecordStore:
                 self.skip(key, str(error))
                 continue
             record = self.parsed(key, held.value, parse)
-            if record is not None or unparsable is not None:
-                found[piece] = (unparsable if record is None else record, held)
+            if record is None:
+                if unparsable is None:
+                    continue
+                record = unparsable
+            found[piece] = (record, held)
         return found
 
     def nodes(self) -> dict[str, NodeRecord]:
