@@ -38,7 +38,8 @@ from weightstream.errors import (
     FleetUnavailableError,
     logger,
 )
-from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill, piece_spans
+from weightstream.nodecache.daemon.fleet.fill import FleetFill
+from weightstream.nodecache.daemon.fleet.pieces import FillStats, piece_spans
 from weightstream.nodecache.daemon.fleet.records import Offer
 from weightstream.nodecache.daemon.fleet.transfer import memory_at
 from weightstream.sources.local.raw_mapping import map_file, unmap

@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterable, Sequence
 from weightstream.errors import CacheConfigError, FleetUnavailableError, IntegrityError, MemoryStillInUseError, logger
 from weightstream.nodecache.daemon.fleet.devices import DeviceCopies, PeerDevices
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
-from weightstream.nodecache.daemon.fleet.fill import FillStats, FleetFill, ReadOrigin
+from weightstream.nodecache.daemon.fleet.fill import FleetFill, ReadOrigin
 from weightstream.nodecache.daemon.fleet.membership import Membership
 from weightstream.nodecache.daemon.fleet.origin_digest import check_held
+from weightstream.nodecache.daemon.fleet.pieces import FillStats
 from weightstream.nodecache.daemon.fleet.record_store import RecordStore
 from weightstream.nodecache.daemon.fleet.records import NAME
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, memory_at, nixl
