@@ -342,6 +342,30 @@ def test_a_daemon_whose_name_was_taken_while_it_was_away_stays_out_of_the_fleet(
             assert taken["out_of_fleet"] is None
 
 
+def test_a_daemon_killed_and_restarted_at_once_on_its_directory_takes_its_own_place_back(tmp_path: Path):
+    """SIGKILL, then the same daemon (same directory, same name) started again before its old lease expired: it is
+    its own dead predecessor (its directory's lock went with it), so it takes the name back (the old lease revoked,
+    logged) instead of being refused for ten seconds, and offers what it adopted: a second daemon fills from it."""
+    from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
+
+    state, size = origin_file(tmp_path, 512, 19)
+    with fleet_of(tmp_path, "/phoenix") as fleet:
+        gateway = EtcdGateway([fleet.etcd])
+        with fleet.daemon("phoenix") as first:
+            assert_same(weightstream.load_weights(fleet.file, cache=str(first.socket)), state)
+            old = gateway.get_held("/phoenix/nodes/phoenix")
+            first.kill()
+        served = fleet.origin.ranged_bytes()
+        with fleet.daemon("phoenix") as again, fleet.daemon("other") as other:
+            assert "previous daemon on this directory died" in again.log(), again.log()[-2000:]
+            held = gateway.get_held("/phoenix/nodes/phoenix")
+            assert held is not None and held[1] != old[1], "the dead daemon's lease still holds the name"
+            assert again.status["adopted"] == 1
+            assert_same(weightstream.load_weights(fleet.file, cache=str(other.socket)), state)
+            assert stats(other.socket)["fleet"]["bytes_from_peers"] == size
+            assert fleet.origin.ranged_bytes() == served, "the second daemon read the file from the origin"
+
+
 def test_an_s3_origin_is_read_once_by_two_daemons(s3_endpoint, tmp_path: Path):
     """The same fleet fill from a real S3 server (SeaweedFS): the pieces are read from it once in all, the versions
     pinned by ETag, each daemon's load exact."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import grp
+import hashlib
 import json
 import logging
 import math
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 from weightstream.arguments import add_storage_arguments, storage_options
 from weightstream.errors import CacheConfigError, CacheError, redact
 from weightstream.nodecache.connection import ENVIRONMENT, default_socket, resolve_socket
-from weightstream.nodecache.daemon.directory import default_directory
+from weightstream.nodecache.daemon.directory import default_directory, in_use
 from weightstream.nodecache.daemon.endpoint import socket_directory
 from weightstream.nodecache.daemon.limits import clamp_budget
 from weightstream.progress import ProgressBar
@@ -223,7 +224,8 @@ def _fleet(args: argparse.Namespace) -> Callable[[], FleetNode] | None:
     context = tls_context(args.fleet_ca, args.fleet_cert, args.fleet_key, address)
     node = args.fleet_node or socket.gethostname()
     check_node_name(node)
-    return lambda: FleetNode.join(address, node, context)
+    home = hashlib.sha256(f"{socket.gethostname()}\0{os.path.realpath(args.dir)}".encode()).hexdigest()[:32]
+    return lambda: FleetNode.join(address, node, context, home, lambda: not in_use(args.dir))
 
 
 def _cache(args: argparse.Namespace) -> NodeCache:

@@ -34,6 +34,29 @@ def default_directory() -> str:
     return f"/dev/shm/weightstream-cache-{os.getuid()}"
 
 
+def in_use(directory: str) -> bool:
+    """Whether a daemon runs on cache ``directory`` now (holds its marker's lock; a dead one's lock went with it).
+
+    Example:
+        >>> import tempfile
+        >>> place = tempfile.mkdtemp()
+        >>> claimed = CacheDirectory(place)
+        >>> in_use(place), claimed.release(), in_use(place)
+        (True, None, False)
+    """
+    try:
+        fd = os.open(os.path.join(directory, MARKER), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def is_cache_file(name: str) -> bool:
     """Whether ``name`` is one the daemon gives its files (only those are ever removed).
 

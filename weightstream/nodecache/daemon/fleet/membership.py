@@ -10,12 +10,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 
 from weightstream.errors import CacheConfigError, FleetUnavailableError, logger
+from weightstream.nodecache.daemon.fleet.etcd import Held, LeaseNotFound
 from weightstream.nodecache.daemon.fleet.record_store import RecordStore
-from weightstream.nodecache.daemon.fleet.records import NodeRecord
+from weightstream.nodecache.daemon.fleet.records import NodeRecord, parse_node
 
 log = logger(__name__)
 
@@ -32,8 +34,18 @@ class Membership:
         FleetUnavailableError: etcd does not answer at start.
     """
 
-    def __init__(self, store: RecordStore, node: str, ttl_s: int = LEASE_TTL_S) -> None:
+    def __init__(
+        self,
+        store: RecordStore,
+        node: str,
+        ttl_s: int = LEASE_TTL_S,
+        home: str = "",
+        home_is_free: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.store, self.etcd, self.node, self.ttl_s = store, store.etcd, node, ttl_s
+        self.home, self.home_is_free = home, home_is_free
+        """This daemon's home (:class:`NodeRecord`) and whether no daemon runs there now: a live key of this name
+        with this home is then a dead predecessor's (killed, its lease not yet expired) and is taken over."""
         self._stop = threading.Event()
         self.on_registered_again: list[Callable[[int], None]] = []
         """Each called with the new lease after the node registered again (its keys under the old lease are gone);
@@ -67,7 +79,14 @@ class Membership:
 
     def _register(self) -> int:
         lease = self.etcd.grant(self.ttl_s)
-        held = self.etcd.create(self.store.keys.node(self.node), NodeRecord(self.node).encode(), lease)
+        key = self.store.keys.node(self.node)
+        held = self.etcd.create(key, NodeRecord(self.node, self.home).encode(), lease)
+        if held is not None and self._predecessor(key, held):
+            log.warning("fleet: %s's previous daemon on this directory died (its lease %x): taking its place",
+                        self.node, held.lease)  # fmt: skip
+            with contextlib.suppress(LeaseNotFound):
+                self.etcd.revoke(held.lease)  # its claims and offers go with it, as at its expiry
+            held = self.etcd.create(key, NodeRecord(self.node, self.home).encode(), lease)
         if held is not None:
             self.etcd.revoke(lease)
             raise CacheConfigError(
@@ -75,6 +94,12 @@ class Membership:
                 "each daemon a name of its own (two daemons on one host share its host name, the default)"
             )
         return lease
+
+    def _predecessor(self, key: str, held: Held) -> bool:
+        """Whether the live node key ``held`` is this daemon's dead predecessor's: its home is this one's, and no
+        daemon runs there now."""
+        record = self.store.parsed(key, held.value, parse_node)
+        return bool(self.home) and record is not None and record.home == self.home and self.home_is_free()
 
     def _renew(self) -> None:
         unreachable = False

@@ -164,8 +164,15 @@ class FleetNode:
         self._lock = threading.Lock()
 
     @classmethod
-    def join(cls, address: FleetAddress, node: str, tls: ssl.SSLContext | None = None) -> FleetNode:
-        """Join the fleet at ``address`` as ``node``.
+    def join(
+        cls,
+        address: FleetAddress,
+        node: str,
+        tls: ssl.SSLContext | None = None,
+        home: str = "",
+        home_is_free: Callable[[], bool] = lambda: False,
+    ) -> FleetNode:
+        """Join the fleet at ``address`` as ``node`` (from ``home``: see :class:`Membership`).
 
         Raises:
             CacheConfigError: NIXL is not installed (with the hint), or a live node of the fleet has the name.
@@ -174,7 +181,7 @@ class FleetNode:
         check_node_name(node)
         nixl()
         etcd = EtcdGateway(address.endpoints, tls)
-        membership = Membership(RecordStore(etcd, address.prefix), node)
+        membership = Membership(RecordStore(etcd, address.prefix), node, home=home, home_is_free=home_is_free)
         server = PieceServer(node)
         return cls(FleetFill(membership, PieceFetcher(node), server), membership, server)
 

@@ -44,6 +44,7 @@ import re
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 """A name inside a key (a node, an entry, a GPU): a host name's characters, so a name never adds a level to a path."""
 SHA256 = re.compile(r"[0-9a-f]{64}")
+HOME = re.compile(r"[0-9a-f]{32}")
 MIN_PIECE_BYTES, MAX_PIECE_BYTES = 1 << 20, 1 << 30
 """The piece sizes a plan may hold (a node proposes 8-64 MiB): anything else is not a plan."""
 MEMORY_KINDS = ("DRAM", "VRAM")
@@ -89,12 +90,14 @@ class Offer:
 
 @dataclasses.dataclass(frozen=True)
 class NodeRecord:
-    """A live node as it registered (its name: what ``cache fleet`` shows; the key's lease says who holds it)."""
+    """A live node as it registered: its name (what ``cache fleet`` shows; the key's lease says who holds it) and
+    its home, a digest of its host and cache directory (a daemon restarted on that directory is the same node)."""
 
     node: str
+    home: str = ""
 
     def encode(self) -> bytes:
-        return json.dumps({"node": self.node}).encode()
+        return json.dumps({"node": self.node, **({"home": self.home} if self.home else {})}).encode()
 
 
 def _object(value: bytes) -> dict[str, object]:
@@ -163,7 +166,11 @@ def parse_offer(value: bytes) -> Offer:
 
 def parse_node(value: bytes) -> NodeRecord:
     """A ``nodes/`` value as a :class:`NodeRecord`."""
-    return NodeRecord(_name(_object(value).get("node"), "node"))
+    record = _object(value)
+    home = record.get("home", "")
+    if not isinstance(home, str) or (home and not HOME.fullmatch(home)):
+        raise UnparsableRecord("home is not 32 hex digits")
+    return NodeRecord(_name(record.get("node"), "node"), home)
 
 
 def parse_digest(value: bytes) -> str:
