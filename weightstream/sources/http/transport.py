@@ -24,6 +24,7 @@ import ssl
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
@@ -53,6 +54,13 @@ class RangeTarget:
     """The answer header naming the version it holds (``ETag``, ``x-goog-generation``, ``Last-Modified``)."""
     version: str | None = None
     """What that header must say; an answer saying otherwise is of a replaced object."""
+
+
+class _ThreadConnections:
+    """One reader thread's connections, by origin (scheme, host, port)."""
+
+    def __init__(self) -> None:
+        self.by_origin: dict[tuple[str, str | None, int | None], http.client.HTTPConnection] = {}
 
 
 class RangeClient:
@@ -183,9 +191,13 @@ class RangeClient:
 
     def _connection(self, parts: urllib.parse.SplitResult) -> http.client.HTTPConnection:
         origin = (parts.scheme, parts.hostname, parts.port)
-        connections = getattr(self._local, "connections", None)
-        if connections is None:
-            connections = self._local.connections = {}
+        holder = getattr(self._local, "holder", None)
+        if holder is None:
+            holder = self._local.holder = _ThreadConnections()
+            # A thread that ends (a fill's pool, done) leaves its connections to no one: closed as it goes, or a
+            # client that outlives its threads (a daemon's store) would keep one socket per thread that ever read.
+            weakref.finalize(holder, self._close_thread, holder.by_origin)
+        connections = holder.by_origin
         connection = connections.get(origin)
         if connection is not None and connection in self._open:
             return connection
@@ -205,6 +217,14 @@ class RangeClient:
             self._open.add(connection)
         connections[origin] = connection
         return connection
+
+    def _close_thread(self, connections: dict[tuple[str, str | None, int | None], http.client.HTTPConnection]) -> None:
+        """Close the connections of a thread that ended."""
+        with self._lock:
+            for connection in connections.values():
+                self._open.discard(connection)
+        for connection in connections.values():
+            connection.close()
 
     def _drop(self, connection: http.client.HTTPConnection) -> None:
         """Close a connection whose state is unknown (a broken or unread answer); the next request opens another."""
