@@ -140,8 +140,15 @@ class Results:
 
 
 def client(node: Node, urls: list[str], digests: list[dict[str, str]], until: float, seed: int, out: Results) -> None:
-    """Load random checkpoints through ``node`` until ``until``; each checked against its digests."""
-    chooser = random.Random(seed)
+    """Load random checkpoints through ``node`` until ``until``; each checked against its digests. The client runs
+    on the node's machine (its namespace): it asks the origin for the file's version itself."""
+    with node.hosts.on(node.number):
+        _client(node, urls, digests, until, random.Random(seed), out)
+
+
+def _client(
+    node: Node, urls: list[str], digests: list[dict[str, str]], until: float, chooser: random.Random, out: Results
+) -> None:
     while time.monotonic() < until:
         if not node.up.wait(timeout=1.0):
             continue
