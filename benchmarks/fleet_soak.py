@@ -122,14 +122,17 @@ class Results:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.seconds: list[float] = []
+        self.spans: list[tuple[int, float, float]] = []
+        """Each load's node, start and end (monotonic)."""
         self.exact = 0
         self.mismatched = 0
         self.failures: dict[str, int] = {}
         self.waited_for_node = 0
 
-    def add(self, seconds: float, exact: bool) -> None:
+    def add(self, node: int, started: float, seconds: float, exact: bool) -> None:
         with self.lock:
             self.seconds.append(seconds)
+            self.spans.append((node, started, started + seconds))
             self.exact += exact
             self.mismatched += not exact
 
@@ -167,9 +170,14 @@ def _client(
             out.fail(error)
             continue
         seconds = time.monotonic() - started
-        out.add(seconds, digests_of(tensors) == digests[number])
+        out.add(node.number, started, seconds, digests_of(tensors) == digests[number])
         del tensors
         gc.collect()  # the segment is no longer mapped here: the node may evict it
+
+
+def hit(node: int, begin: float, end: float, disturbed: list[tuple[int, float, float]]) -> bool:
+    """Whether a load through ``node`` from ``begin`` to ``end`` met its node killed or frozen."""
+    return any(node == number and begin < to and end > since for number, since, to in disturbed)
 
 
 def snapshot(nodes: list[Node], gateway: EtcdGateway, prefix: str, network: netns.Network | None) -> dict:
@@ -252,6 +260,8 @@ def main() -> int:
         kill_at = started + args.kill_every_s
         freeze_at, etcd_at = started + duration * 0.3, started + duration * 0.55
         victim = 0
+        disturbed: list[tuple[int, float, float]] = []
+        """(node, from, to): while a node was killed or frozen, its own loads could only wait."""
         while time.monotonic() < until:
             now = time.monotonic()
             if now >= kill_at:
@@ -261,15 +271,19 @@ def main() -> int:
                 time.sleep(3)
                 node.start()
                 events.append(f"{time.monotonic() - started:.0f} s: node {node.number} restarted")
+                disturbed.append((node.number, now, time.monotonic()))
                 victim, kill_at = victim + 1, now + args.kill_every_s
             elif freeze_at and now >= freeze_at:
                 frozen = nodes[-1]
                 assert frozen.daemon is not None and frozen.daemon.process is not None
+                frozen.up.clear()  # its own clients wait (a frozen daemon answers no one): its peers are tried
                 os.kill(frozen.daemon.process.pid, signal.SIGSTOP)
                 events.append(f"{now - started:.0f} s: node {frozen.number} frozen (SIGSTOP)")
                 time.sleep(min(args.freeze_s, max(0.0, until - time.monotonic())))
                 os.kill(frozen.daemon.process.pid, signal.SIGCONT)
+                frozen.up.set()
                 events.append(f"{time.monotonic() - started:.0f} s: node {frozen.number} thawed")
+                disturbed.append((frozen.number, now, time.monotonic()))
                 freeze_at = 0.0
             elif etcd_at and now >= etcd_at:
                 etcd_stack.close()
@@ -307,6 +321,10 @@ def main() -> int:
             "loads_that_met_their_node_down": results.waited_for_node,
             "median_load_s": statistics.median(results.seconds) if loads else None,
             "slowest_load_s": max(results.seconds) if loads else None,
+            "slowest_load_on_a_node_up_throughout_s": max(
+                (end - begin for node, begin, end in results.spans if not hit(node, begin, end, disturbed)),
+                default=None,
+            ),
             "one_origin_read_s": one_origin_read,
             "origin_bytes_per_load": (origin.body_bytes - origin_before) / loads if loads else None,
             "checkpoint_bytes_per_load": size,
