@@ -127,6 +127,8 @@ class Results:
         self.exact = 0
         self.mismatched = 0
         self.failures: dict[str, int] = {}
+        self.first_failures: dict[str, str] = {}
+        """The first message of each type of failure."""
         self.waited_for_node = 0
 
     def add(self, node: int, started: float, seconds: float, exact: bool) -> None:
@@ -140,6 +142,7 @@ class Results:
         with self.lock:
             name = type(error).__name__
             self.failures[name] = self.failures.get(name, 0) + 1
+            self.first_failures.setdefault(name, str(error)[:500])
 
 
 def client(node: Node, urls: list[str], digests: list[dict[str, str]], until: float, seed: int, out: Results) -> None:
@@ -165,9 +168,11 @@ def _client(
                     out.waited_for_node += 1
                 continue
             out.fail(error)
+            time.sleep(0.1)
             continue
         except Exception as error:  # noqa: BLE001 - counted by type: the report says what failed
             out.fail(error)
+            time.sleep(0.1)  # counts episodes, not how fast a refusal comes back
             continue
         seconds = time.monotonic() - started
         out.add(node.number, started, seconds, digests_of(tensors) == digests[number])
@@ -318,6 +323,7 @@ def main() -> int:
             "bit_exact": results.exact,
             "mismatched": results.mismatched,
             "failures": results.failures,
+            "first_failures": results.first_failures,
             "loads_that_met_their_node_down": results.waited_for_node,
             "median_load_s": statistics.median(results.seconds) if loads else None,
             "slowest_load_s": max(results.seconds) if loads else None,
