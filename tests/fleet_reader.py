@@ -10,13 +10,14 @@ import mmap
 import sys
 import time
 
+from weightstream.nodecache.daemon.fleet.records import parse_offer
 from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher
 
 
 def main() -> None:
     node, info, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    with open(info) as file:
-        where = json.load(file)
+    with open(info, "rb") as file:
+        where = parse_offer(file.read())
     buffer = mmap.mmap(-1, size)
     address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
     fetcher = PieceFetcher("link-reader")
