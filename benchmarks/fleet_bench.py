@@ -118,6 +118,20 @@ def peer_link_seconds(hosts: Hosts, path: Path) -> float:
         info.unlink(missing_ok=True)
 
 
+def throttled_origin(
+    stack: contextlib.ExitStack, network: netns.Network | None, root: Path, mbps: float
+) -> RangeServer:
+    """An HTTP range server of ``root`` capped at ``mbps`` MB/s (a throttled bucket), open until ``stack`` closes: on
+    a machine of its own behind a link of that rate, or on loopback paced by the server itself."""
+    if network is None:
+        origin = stack.enter_context(RangeServer(root))
+        origin.misbehave.rate_bytes_per_s = mbps * 1e6
+        return origin
+    machine = network.machine("origin", mbit=mbps * 8)
+    with network.inside(machine):
+        return stack.enter_context(RangeServer(root, host=machine.address))
+
+
 def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: daemons, namespaces and etcd still go
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -150,13 +164,7 @@ def main() -> int:
         network = None if args.loopback else stack.enter_context(netns.Network())
         hosts = Hosts(network, args.link_mbps, max(max(counts), 2))
         etcd = stack.enter_context(etcd_server(root, network))
-        if network is None:
-            origin = stack.enter_context(RangeServer(root / "origin"))
-            origin.misbehave.rate_bytes_per_s = args.origin_mbps * 1e6
-        else:
-            origin_machine = network.machine("origin", mbit=args.origin_mbps * 8)
-            with network.inside(origin_machine):
-                origin = stack.enter_context(RangeServer(root / "origin", host=origin_machine.address))
+        origin = throttled_origin(stack, network, root / "origin", args.origin_mbps)
         url = f"{origin.url}/model.safetensors"
         for count in counts:
             rows: dict[str, list[float]] = {"fleet_s": [], "fleet_origin": [], "alone_s": [], "alone_origin": []}

@@ -35,13 +35,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import weightstream
-from benchmarks.fleet_bench import Hosts
+from benchmarks.fleet_bench import Hosts, throttled_origin
 from tests import netns
 from tests.cache_daemon import Daemon, remove
 from tests.cache_daemon import places as cache_places
 from tests.etcd_server import etcd_server
 from tests.objstore import free_port
-from tests.rangeserver import RangeServer
 from weightstream.arguments import parse_size
 from weightstream.bench.demo import LlamaShape, llama_state_dict
 from weightstream.errors import CacheUnavailableError
@@ -235,13 +234,7 @@ def main() -> int:
         etcd_stack = contextlib.ExitStack()
         etcd = etcd_stack.enter_context(etcd_server(root / "etcd", network, client_port=port))
         stack.callback(lambda: etcd_stack.close())
-        if network is None:
-            origin = stack.enter_context(RangeServer(root / "origin"))
-            origin.misbehave.rate_bytes_per_s = args.origin_mbps * 1e6
-        else:
-            origin_machine = network.machine("origin", mbit=args.origin_mbps * 8)
-            with network.inside(origin_machine):
-                origin = stack.enter_context(RangeServer(root / "origin", host=origin_machine.address))
+        origin = throttled_origin(stack, network, root / "origin", args.origin_mbps)
         urls = [f"{origin.url}/model-{number}.safetensors" for number in range(args.checkpoints)]
         prefix = "/soak"
         fleet = etcd.replace("http://", "etcd://") + prefix
