@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 import weightstream
@@ -164,9 +165,13 @@ def test_close_stops_every_iterator(tmp_path: Path, tiny_state, no_leaks):
         lambda: checkpoint.get_tensor("model.norm.weight"),
         checkpoint.iter_weights,
         lambda: checkpoint.get_slice("model.norm.weight"),
+        checkpoint.keys,
+        checkpoint.metadata,
+        lambda: "model.norm.weight" in checkpoint,
     ):
         with pytest.raises(weightstream.CheckpointClosedError, match=r"the checkpoint is closed"):
             use()
+    assert checkpoint.stats.tensors == 2 and checkpoint.plan.tensors  # what it did stays readable
     checkpoint.close()  # idempotent
 
 
@@ -267,22 +272,46 @@ def test_slice_shape_and_dtype_as_safetensors(sliced_file: Path, no_leaks):
 
 
 @pytest.mark.parametrize(
-    "index, error, message",
+    "index, error, builtin, message",
     [
-        ((0, 0, 0), IndexError, r"too many indices for a tensor of 2 dimensions: 3"),
-        (64, IndexError, r"index 64 is out of bounds for dimension 0 with size 64"),
-        ((slice(None), -49), IndexError, r"index -49 is out of bounds for dimension 1 with size 48"),
-        (slice(None, None, -1), ValueError, r"dimension 0: slice step must be a positive integer"),
-        (slice(None, None, 0), ValueError, r"dimension 0: slice step must be a positive integer"),
-        ((Ellipsis, Ellipsis), IndexError, r"a single ellipsis"),
-        (None, TypeError, r"a slice index is an int, a slice or '...', got NoneType"),
-        (True, TypeError, r"got bool"),
-        (slice(1.5, None), TypeError, r"dimension 0: slice bounds are integers, got 1.5"),
+        ((0, 0, 0), weightstream.SliceIndexError, IndexError, r"too many indices for a tensor of 2 dimensions: 3"),
+        (64, weightstream.SliceIndexError, IndexError, r"index 64 is out of bounds for dimension 0 with size 64"),
+        (
+            (slice(None), -49),
+            weightstream.SliceIndexError,
+            IndexError,
+            r"index -49 is out of bounds for dimension 1 with size 48",
+        ),
+        ([3, 64], weightstream.SliceIndexError, IndexError, r"index 64 is out of bounds for dimension 0 with size 64"),
+        (1.5, weightstream.SliceIndexError, IndexError, r"only integers, slices .* are valid indices \(got float\)"),
+        (
+            slice(None, None, -1),
+            weightstream.SliceValueError,
+            ValueError,
+            r"dimension 0: slice step must be a positive integer",
+        ),
+        (slice(None, None, 0), weightstream.SliceValueError, ValueError, r"dimension 0: slice step must be a positive"),
+        (
+            slice(1.5, None),
+            weightstream.SliceTypeError,
+            TypeError,
+            r"dimension 0: slice bounds and steps are integers, got 1.5",
+        ),
     ],
 )
-def test_bad_slice_indices_are_refused(sliced_file: Path, index, error, message, no_leaks):
-    with weightstream.open(sliced_file) as checkpoint, pytest.raises(error, match=message):
+def test_bad_slice_indices_are_refused(sliced_file: Path, index, error, builtin, message, no_leaks):
+    """Refused with the built-in type torch raises (callers catch it), inside weightstream's tree, naming the tensor."""
+    with weightstream.open(sliced_file) as checkpoint, pytest.raises(error, match=message) as raised:
         checkpoint.get_slice("rows.f32")[index]
+    assert isinstance(raised.value, builtin) and isinstance(raised.value, weightstream.WeightstreamError)
+    assert str(raised.value).startswith("tensor 'rows.f32' [64, 48]: ")
+
+
+@pytest.mark.parametrize("index", [[], [[]], ([],), (slice(None), [])])
+def test_an_empty_list_index_reads_nothing(sliced_file: Path, index, no_leaks):
+    with weightstream.open(sliced_file) as checkpoint:
+        got = checkpoint.get_slice("rows.f32")[index]
+        assert got.shape == SLICED["rows.f32"][index].shape and checkpoint.stats.read_bytes == 0
 
 
 def test_verify_refuses_slices(tmp_path: Path, no_leaks):
@@ -305,11 +334,26 @@ def _part(size: int):
     )
 
 
+def _advanced(size: int):
+    """torch's other indexes: integer lists and tensors, masks, ``None``."""
+    integers = st.lists(st.integers(-size, size - 1), max_size=4) if size else st.just([])
+    return (
+        integers
+        | integers.map(lambda values: torch.tensor(values, dtype=torch.long))
+        | st.lists(st.booleans(), min_size=size, max_size=size).map(torch.tensor)
+        | st.none()
+    )
+
+
 @st.composite
 def tensor_and_index(draw):
     name = draw(st.sampled_from(sorted(SLICED)))
     shape = SLICED[name].shape
-    parts = [draw(_part(size)) for size in shape[: draw(st.integers(0, len(shape)))]]
+    advanced = draw(st.booleans())
+    parts = [
+        draw(_part(size) | _advanced(size) if advanced else _part(size))
+        for size in shape[: draw(st.integers(0, len(shape)))]
+    ]
     if draw(st.booleans()):
         parts.insert(draw(st.integers(0, len(parts))), Ellipsis)
     return name, tuple(parts) if draw(st.booleans()) or len(parts) != 1 else parts[0]
@@ -318,21 +362,31 @@ def tensor_and_index(draw):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=tensor_and_index(), run_cost=st.sampled_from([0, 64, 1 << 16]))
 def test_any_slice_equals_torch_indexing(sliced_file: Path, monkeypatch, case, run_cost):
-    """Whatever level the reads are planned at, the result (or the IndexError) is the one torch gives,
+    """Whatever level the reads are planned at, the result (or the error's built-in type) is the one torch gives,
     and never more bytes are read than the whole tensor."""
     name, index = case
     monkeypatch.setattr(slices, "LOCAL_RUN_COST_BYTES", run_cost)
     try:
         expected = SLICED[name][index]
-    except IndexError:  # an index torch refuses (with '...', the parts fall on other dimensions): refused here too
-        with weightstream.open(sliced_file) as checkpoint, pytest.raises(IndexError):
+    except (IndexError, TypeError, ValueError) as refused:  # refused by torch: refused here with the same type
+        with weightstream.open(sliced_file) as checkpoint, pytest.raises(type(refused)) as raised:
             checkpoint.get_slice(name)[index]
+        assert isinstance(raised.value, weightstream.WeightstreamError)
         return
     with weightstream.open(sliced_file) as checkpoint:
         got = checkpoint.get_slice(name)[index]
         assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
         assert got.is_contiguous() and got.untyped_storage().nbytes() == got.nbytes
         assert checkpoint.stats.read_bytes <= max(SLICED[name].nbytes, SLICED[name].element_size())
+
+
+def test_slices_equal_safetensors_get_slice(sliced_file: Path, no_leaks):
+    """The indexes safetensors' own ``get_slice`` takes give the same tensors here."""
+    indexes = [(slice(2, 9), slice(None, None, 5)), [], [0, 5, 3], (Ellipsis, 1), None, (slice(None), [])]
+    with weightstream.open(sliced_file) as ours, safe_open(sliced_file, "pt") as theirs:
+        for name in ("rows.f32", "cube.bf16"):
+            for index in indexes:
+                assert torch.equal(ours.get_slice(name)[index], theirs.get_slice(name)[index]), (name, index)
 
 
 @pytest.mark.parametrize(

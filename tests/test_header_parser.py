@@ -9,7 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save
+from safetensors import SafetensorError
+from safetensors.torch import load, save
 
 from weightstream.errors import HeaderError, TruncatedFileError
 from weightstream.formats.safetensors import DTYPES, MAX_HEADER_BYTES, header_length, parse_header
@@ -63,17 +64,46 @@ def test_json_array():
 
 
 def test_does_not_start_with_brace():
-    with pytest.raises(HeaderError, match=r"header starts with ' ', expected a JSON object"):
-        parse(None, raw=b" {}")
+    with pytest.raises(
+        HeaderError, match=r"header starts with 'x' after 2 bytes of whitespace, expected a JSON object"
+    ):
+        parse(None, raw=b" \tx{}")
+
+
+def test_only_whitespace():
+    with pytest.raises(HeaderError, match=r"header holds nothing after 4 bytes of whitespace, expected a JSON object"):
+        parse(None, raw=b"    ")
 
 
 def test_nul_padding():
-    with pytest.raises(HeaderError, match=r"header contains a NUL byte at file offset 10 \(padding must be spaces\)"):
+    with pytest.raises(
+        HeaderError,
+        match=r"header contains a NUL byte at file offset 10 "
+        r"\(padding must be JSON whitespace: spaces, tabs, CR or LF\)",
+    ):
         parse(None, raw=b"{}\x00\x00\x00\x00\x00\x00")
 
 
-def test_space_padding_is_accepted():
-    assert parse(None, raw=b"{}      ").entries == ()
+@pytest.mark.parametrize("raw", [b"{}      ", b"  {}", b"\t\r\n{}\n\t\r "])
+def test_json_whitespace_padding_is_accepted(raw):
+    assert parse(None, raw=raw).entries == ()
+
+
+PADDING = st.sampled_from([b" ", b"\t", b"\n", b"\r", b"\x0b", b"\x0c", b"\x00", b"x", "\u00a0".encode(), b"}", b"{"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(before=st.lists(PADDING, max_size=4), after=st.lists(PADDING, max_size=4))
+def test_padding_accepted_exactly_where_safetensors_accepts_it(before, after):
+    """Differential: the same bytes around the object, read by safetensors' own parser and by ours."""
+    body = b"".join(before) + json.dumps({"w": entry("U8", (2,), (0, 2))}).encode() + b"".join(after)
+    try:
+        theirs = load(struct.pack("<Q", len(body)) + body + b"ab")
+    except SafetensorError:
+        with pytest.raises(HeaderError):
+            parse(None, raw=body, data_bytes=2)
+    else:
+        assert list(theirs) == [tensor.name for tensor in parse(None, raw=body, data_bytes=2).entries]
 
 
 def test_duplicate_key():

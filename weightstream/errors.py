@@ -171,6 +171,19 @@ class TensorNotFound(WeightstreamError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class SliceIndexError(WeightstreamError, IndexError):
+    """A ``get_slice`` index that torch refuses as an ``IndexError`` (out of range, too many indices), naming the
+    tensor."""
+
+
+class SliceTypeError(WeightstreamError, TypeError):
+    """A ``get_slice`` index of a kind torch refuses as a ``TypeError`` (a slice bound that is not an integer)."""
+
+
+class SliceValueError(WeightstreamError, ValueError):
+    """A ``get_slice`` index torch refuses as a ``ValueError`` (a slice step of zero or below)."""
+
+
 class CheckpointClosedError(WeightstreamError, ValueError):
     """A :class:`weightstream.Checkpoint` (or an iterator it returned) was used after ``close()``."""
 

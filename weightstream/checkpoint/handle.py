@@ -116,10 +116,16 @@ class Checkpoint:
         return self._closed
 
     def keys(self) -> list[str]:
-        """The selected tensors' names, in stored order (file by file, by offset)."""
+        """The selected tensors' names, in stored order (file by file, by offset).
+
+        Raises:
+            CheckpointClosedError: after ``close()``, as ``get_tensor`` (and safetensors' ``keys``).
+        """
+        self._check_open()
         return list(self._by_name)
 
     def __contains__(self, name: object) -> bool:
+        self._check_open()
         return name in self._by_name
 
     def metadata(self, path: str | None = None) -> dict[str, str]:
@@ -128,7 +134,9 @@ class Checkpoint:
         Raises:
             HeaderError: two files give one key different values (pass ``path``).
             TensorNotFound: ``path`` is not a file of the plan.
+            CheckpointClosedError: after ``close()``.
         """
+        self._check_open()
         if path is not None:
             for spec in self._plan.files:
                 if spec.path == path:

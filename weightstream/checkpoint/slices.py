@@ -7,15 +7,18 @@ pieces are joined and indexed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 
 import torch
 
 from weightstream.checkpoint.reading import CheckpointReads
+from weightstream.errors import SliceIndexError, SliceTypeError, SliceValueError
 from weightstream.formats.safetensors import DTYPE_NAMES
 from weightstream.planning.plan import TensorSpec
-from weightstream.planning.slices import plan_slice
+from weightstream.planning.slices import is_basic, plan_slice
 from weightstream.sources import REMOTE_SCHEMES
 
 LOCAL_RUN_COST_BYTES = 64 << 10
@@ -58,19 +61,54 @@ class TensorSlice:
         checkpoint, spec = self._checkpoint, self._spec
         checkpoint._check_open()
         cost = REMOTE_RUN_COST_BYTES if checkpoint.uri.startswith(REMOTE_SCHEMES) else LOCAL_RUN_COST_BYTES
-        planned = plan_slice(spec.shape, spec.dtype.itemsize, index, run_cost_bytes=cost)
         started = time.perf_counter()
-        if planned.runs:
+        basic = is_basic(index)
+        with self._named_errors():
+            planned = plan_slice(spec.shape, spec.dtype.itemsize, index if basic else Ellipsis, run_cost_bytes=cost)
+            # torch's other indexes are checked, and their result's shape found, before any byte is read
+            shape = planned.shape if basic else self._indexed_shape(index)
+        read_bytes = planned.read_bytes if planned.runs and 0 not in shape else 0
+        if read_bytes:
             values = _read_runs(checkpoint, spec, planned.runs).view(spec.dtype).reshape(planned.read_shape)
-            values = values[planned.index]
+            values = values[planned.index] if basic else _as_bits(values)[index].view(spec.dtype)  # type: ignore[index]
             values = values.clone() if values.untyped_storage().nbytes() > values.nbytes else values.contiguous()
         else:
-            values = torch.empty(planned.shape, dtype=spec.dtype, device=checkpoint.options.device)
-        checkpoint._counted(1, values.nbytes, planned.read_bytes, time.perf_counter() - started)
+            values = torch.empty(shape, dtype=spec.dtype, device=checkpoint.options.device)
+        checkpoint._counted(1, values.nbytes, read_bytes, time.perf_counter() - started)
         return values
+
+    def _indexed_shape(self, index: object) -> tuple[int, ...]:
+        """The shape of ``tensor[index]`` as torch gives it, or torch's error, from a tensor of the same shape that
+        holds one byte (a meta tensor checks no integer's range, and raises other types)."""
+        stand_in = torch.empty((), dtype=torch.uint8).expand(self._spec.shape)
+        return tuple(stand_in[index].shape)  # type: ignore[index]
+
+    @contextlib.contextmanager
+    def _named_errors(self) -> Iterator[None]:
+        """An index refused (by the planner or by torch) as one of ours naming the tensor, of the same built-in
+        type as torch's."""
+        try:
+            yield
+        except (IndexError, TypeError, ValueError) as error:
+            kind = (
+                SliceIndexError
+                if isinstance(error, IndexError)
+                else SliceTypeError
+                if isinstance(error, TypeError)
+                else SliceValueError
+            )
+            raise kind(f"tensor {self._spec.name!r} {list(self._spec.shape)}: {error}") from None
 
     def __repr__(self) -> str:
         return f"<weightstream.TensorSlice {self._spec.name!r} {self.get_dtype()} {list(self._spec.shape)}>"
+
+
+BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""An integer type of each item size: torch indexes its bits for every dtype (it has no ``index`` for ``float4``)."""
+
+
+def _as_bits(values: torch.Tensor) -> torch.Tensor:
+    return values.view(BITS_OF_SIZE[values.element_size()])
 
 
 def _read_runs(checkpoint: CheckpointReads, spec: TensorSpec, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:

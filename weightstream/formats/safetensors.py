@@ -1,7 +1,7 @@
 """The safetensors format: a strict header parser.
 
 Layout: 8 bytes little-endian header length N, N bytes of UTF-8 JSON (a single object,
-optionally padded with spaces), then the data section. Every rule of the specification
+optionally padded with JSON whitespace), then the data section. Every rule of the specification
 is checked here, before any buffer is sized from the header's numbers.
 """
 
@@ -18,6 +18,9 @@ from weightstream.errors import HeaderError, TruncatedFileError
 from weightstream.formats.strict_json import parse_json
 
 LENGTH_BYTES = 8
+JSON_WHITESPACE = " \t\n\r"
+"""What may pad the header's object, before or after it: JSON's own whitespace, which safetensors' parser (serde_json)
+skips. The specification asks writers to start with ``{`` and pad with spaces; readers accept all four."""
 MAX_HEADER_BYTES = 100_000_000
 """The reference implementation's limit on the JSON header."""
 METADATA_KEY = "__metadata__"
@@ -157,16 +160,20 @@ def _decode(raw: bytes, file: str) -> dict[str, Any]:
     nul = raw.find(b"\x00")
     if nul >= 0:
         raise HeaderError(
-            f"{file}: header contains a NUL byte at file offset {LENGTH_BYTES + nul} (padding must be spaces)"
+            f"{file}: header contains a NUL byte at file offset {LENGTH_BYTES + nul} (padding must be JSON "
+            "whitespace: spaces, tabs, CR or LF)"
         )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise HeaderError(f"{file}: header is not valid UTF-8 at header byte {error.start}") from None
-    if text.startswith("["):
+    body = text.lstrip(JSON_WHITESPACE)
+    if body.startswith("["):
         raise HeaderError(f"{file}: header is a JSON array, expected a JSON object")
-    if not text.startswith("{"):
-        raise HeaderError(f"{file}: header starts with {text[:1]!r}, expected a JSON object starting with '{{'")
+    if not body.startswith("{"):
+        found = f"starts with {body[:1]!r}" if body else "holds nothing"
+        after = f" after {len(text) - len(body)} bytes of whitespace" if len(body) < len(text) else ""
+        raise HeaderError(f"{file}: header {found}{after}, expected a JSON object starting with '{{'")
     document = parse_json(text, HeaderError, f"{file}: header")
     return document
 

@@ -15,6 +15,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
+from typing import SupportsIndex
+
+from weightstream.errors import SliceIndexError, SliceTypeError, SliceValueError
 
 MAX_RUNS = 4096
 """Runs of one slice at most: each is a positional read (or an HTTP range request)."""
@@ -53,9 +57,9 @@ def selections(shape: tuple[int, ...], index: object) -> list[Selection]:
     """The per-dimension selection of ``index`` on a tensor of ``shape``, as torch reads it.
 
     Raises:
-        IndexError: too many indices, or an integer out of range.
-        TypeError: an index of a kind other than int, slice or ``...``.
-        ValueError: a slice step of zero or below (torch has no negative steps).
+        SliceIndexError: too many indices, or an integer out of range.
+        SliceTypeError: an index of a kind other than int, slice or ``...``.
+        SliceValueError: a slice step of zero or below (torch has no negative steps).
 
     Example:
         >>> selections((4, 6), (1, slice(None, None, 2)))
@@ -64,18 +68,32 @@ def selections(shape: tuple[int, ...], index: object) -> list[Selection]:
     parts = index if isinstance(index, tuple) else (index,)
     ellipses = sum(part is Ellipsis for part in parts)
     if ellipses > 1:
-        raise IndexError("an index can only have a single ellipsis ('...')")
+        raise SliceIndexError("an index can only have a single ellipsis ('...')")
     for part in parts:
         if part is not Ellipsis and not isinstance(part, slice) and not _is_int(part):
-            raise TypeError(f"a slice index is an int, a slice or '...', got {type(part).__name__} ({part!r})")
+            raise SliceTypeError(f"a slice index is an int, a slice or '...', got {type(part).__name__} ({part!r})")
     given = len(parts) - ellipses
     if given > len(shape):
-        raise IndexError(f"too many indices for a tensor of {len(shape)} dimensions: {given}")
+        raise SliceIndexError(f"too many indices for a tensor of {len(shape)} dimensions: {given}")
     if ellipses:
         at = parts.index(Ellipsis)
         parts = parts[:at] + (slice(None),) * (len(shape) - given) + parts[at + 1 :]
     parts = parts + (slice(None),) * (len(shape) - len(parts))
     return [_selection(part, size, dim) for dim, (part, size) in enumerate(zip(parts, shape, strict=True))]
+
+
+def is_basic(index: object) -> bool:
+    """Whether ``index`` is one :func:`plan_slice` reads exactly: integers, slices and at most one ``...``
+    (torch's other indexes, lists, tensors, ``None`` and masks, are applied to the whole tensor).
+
+    Example:
+        >>> is_basic((0, slice(2, 4), ...)), is_basic([0, 2]), is_basic((None, 0))
+        (True, False, False)
+    """
+    parts = index if isinstance(index, tuple) else (index,)
+    return sum(part is Ellipsis for part in parts) <= 1 and all(
+        part is Ellipsis or isinstance(part, slice) or _is_int(part) for part in parts
+    )
 
 
 def plan_slice(
@@ -114,19 +132,19 @@ def plan_slice(
 
 def _selection(part: object, size: int, dim: int) -> Selection:
     if isinstance(part, slice):
-        if part.step is not None and (not _is_int(part.step) or part.step <= 0):
-            raise ValueError(
+        for bound in (part.start, part.stop, part.step):
+            if bound is not None and not _is_index(bound):
+                raise SliceTypeError(f"dimension {dim}: slice bounds and steps are integers, got {bound!r}")
+        if part.step is not None and operator.index(part.step) <= 0:
+            raise SliceValueError(
                 f"dimension {dim}: slice step must be a positive integer (torch has no negative steps), got "
                 f"{part.step!r}"
             )
-        for bound in (part.start, part.stop):
-            if bound is not None and not _is_int(bound):
-                raise TypeError(f"dimension {dim}: slice bounds are integers, got {bound!r}")
         start, stop, step = part.indices(size)
         return Selection(start, len(range(start, stop, step)), step, squeeze=False)
     assert isinstance(part, int)
     if not -size <= part < size:
-        raise IndexError(f"index {part} is out of bounds for dimension {dim} with size {size}")
+        raise SliceIndexError(f"index {part} is out of bounds for dimension {dim} with size {size}")
     return Selection(part % size, 1, 1, squeeze=True)
 
 
@@ -181,3 +199,14 @@ def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_index(value: object) -> bool:
+    """An integer as a slice takes it (a NumPy integer, a one-element integer tensor), as Python's ``slice`` does."""
+    if not isinstance(value, SupportsIndex):
+        return False
+    try:
+        operator.index(value)  # a tensor of several elements has the method, and refuses
+    except TypeError:
+        return False
+    return True
