@@ -109,6 +109,14 @@ class Node:
         assert self.daemon is not None
         self.daemon.kill()
 
+    def exited_by_itself(self) -> int | None:
+        """The exit status of a daemon that ended when nobody stopped it (None while it runs)."""
+        process = self.daemon.process if self.daemon is not None else None
+        return None if process is None or not self.up.is_set() else process.poll()
+
+    def log_tail(self, lines: int = 40) -> list[str]:
+        return self.daemon.log().splitlines()[-lines:] if self.daemon is not None else []
+
     def stop(self) -> None:
         if self.daemon is not None and self.daemon.process is not None and self.daemon.process.poll() is None:
             self.daemon.stop()
@@ -129,13 +137,19 @@ class Results:
         self.first_failures: dict[str, str] = {}
         """The first message of each type of failure."""
         self.waited_for_node = 0
+        self.mismatches: list[dict] = []
+        """Each load that was not bit-exact: its node, checkpoint, start and the tensors that differed."""
 
-    def add(self, node: int, started: float, seconds: float, exact: bool) -> None:
+    def add(self, node: int, started: float, seconds: float, differing: list[str], checkpoint: int) -> None:
         with self.lock:
             self.seconds.append(seconds)
             self.spans.append((node, started, started + seconds))
-            self.exact += exact
-            self.mismatched += not exact
+            self.exact += not differing
+            self.mismatched += bool(differing)
+            if differing:
+                self.mismatches.append(
+                    {"node": node, "checkpoint": checkpoint, "started": started, "tensors": differing[:5]}
+                )
 
     def fail(self, error: BaseException) -> None:
         with self.lock:
@@ -174,7 +188,11 @@ def _client(
             time.sleep(0.1)  # counts episodes, not how fast a refusal comes back
             continue
         seconds = time.monotonic() - started
-        out.add(node.number, started, seconds, digests_of(tensors) == digests[number])
+        got = digests_of(tensors)
+        differing = sorted(
+            name for name in digests[number].keys() | got.keys() if got.get(name) != digests[number].get(name)
+        )
+        out.add(node.number, started, seconds, differing, number)
         del tensors
         gc.collect()  # the segment is no longer mapped here: the node may evict it
 
@@ -260,8 +278,21 @@ def main() -> int:
         victim = 0
         disturbed: list[tuple[int, float, float]] = []
         """(node, from, to): while a node was killed or frozen, its own loads could only wait."""
+        exits: list[dict] = []
+        """Daemons that ended by themselves: when, their status and their log's last lines (each restarted, as an
+        init system would)."""
         while time.monotonic() < until:
             now = time.monotonic()
+            for node in nodes:
+                code = node.exited_by_itself()
+                if code is not None:
+                    node.up.clear()
+                    exits.append(
+                        {"node": node.number, "at_s": round(now - started), "status": code, "log": node.log_tail()}
+                    )
+                    events.append(f"{now - started:.0f} s: node {node.number} exited by itself (status {code})")
+                    node.start()
+                    disturbed.append((node.number, now, time.monotonic()))
             if now >= kill_at:
                 node = nodes[victim % len(nodes)]
                 node.kill()
@@ -315,8 +346,12 @@ def main() -> int:
             "loads": loads,
             "bit_exact": results.exact,
             "mismatched": results.mismatched,
+            "mismatches": [
+                {**mismatch, "started": round(mismatch["started"] - started, 1)} for mismatch in results.mismatches
+            ],
             "failures": results.failures,
             "first_failures": results.first_failures,
+            "daemons_that_exited_by_themselves": exits,
             "loads_that_met_their_node_down": results.waited_for_node,
             "median_load_s": statistics.median(results.seconds) if loads else None,
             "slowest_load_s": max(results.seconds) if loads else None,
@@ -333,7 +368,7 @@ def main() -> int:
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
-    return 0 if loads and results.mismatched == 0 and not results.failures else 1
+    return 0 if loads and results.mismatched == 0 and not results.failures and not exits else 1
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ entry's plan and digests.
 Device copies without a GPU: :class:`HostCopies` stands for the daemon's device tier, its copies in anonymous host
 memory offered to peers as NIXL DRAM (the fleet's device path, everything but the GPU). ``--offer-device`` makes and
 offers one after the fill (``--corrupt-device``: with a byte flipped); ``--device-fill`` fills through the device
-path instead, and the JSON says how many copies it made and their sha256."""
+path instead, and the JSON says how many copies it made and their sha256. A fill abandoned because a transfer may
+still write its memory prints ``{"stuck": message, "kept": n}``; each line on stdin then asks the fetcher to release
+what has ended since, and it prints ``{"kept": n}``."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from weightstream.errors import MemoryStillInUseError
 from weightstream.nodecache.daemon.fleet.devices import PeerDevices
 from weightstream.nodecache.daemon.fleet.etcd import EtcdGateway
 from weightstream.nodecache.daemon.fleet.fill import FleetFill
@@ -92,12 +95,21 @@ def main() -> None:
     fleet = FleetFill(member, fetcher, server, piece_bytes=args.piece_bytes, entry_ttl_s=args.entry_ttl)
     copies = HostCopies()
     devices = PeerDevices(fleet, copies)
-    if args.device_fill:
-        stats = devices.fill(
-            entry, GPU, fd, source.size, args.url, lambda: fleet.fill(entry, fd, source.size, read_origin)
-        )
-    else:
-        stats = fleet.fill(entry, fd, source.size, read_origin)
+    try:
+        if args.device_fill:
+            stats = devices.fill(
+                entry, GPU, fd, source.size, args.url, lambda: fleet.fill(entry, fd, source.size, read_origin)
+            )
+        else:
+            stats = fleet.fill(entry, fd, source.size, read_origin)
+    except MemoryStillInUseError as error:  # the daemon fills a fresh file; here the test looks at what is kept
+        print(json.dumps({"stuck": str(error), "kept": len(fetcher.stuck)}), flush=True)
+        for line in sys.stdin:  # "reap": release what has ended since; how much is still kept
+            print(json.dumps({"kept": fetcher.reap()}), flush=True)
+        fleet.close()
+        member.close()
+        server.close()
+        return
     if args.corrupt:
         os.pwrite(fd, b"\xff" * 64, 4096)
     if args.offer_device:

@@ -110,6 +110,7 @@ class FleetFill:
             raise
         finally:
             unmap_around(address, size, self.fetcher.stuck)  # what a transfer may still write stays mapped
+            self.fetcher.hand_over(address, size)  # ... until that transfer is seen to end
 
     def served_to_peers(self) -> dict[str, int]:
         """The bytes of each entry this node's peers have read from it, as their agents told this node's

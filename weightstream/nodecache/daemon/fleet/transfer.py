@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib
@@ -212,7 +213,10 @@ class PieceFetcher:
         """Peers to forget once their transfers end (reads from them wait for that, then load them again)."""
         self.stuck: list[tuple[int, int]] = []
         """Memory (address, bytes) that transfers which could not be released may still write: never reused."""
-        self._stuck_handles: list[tuple[object, object]] = []
+        self._stuck_handles: list[tuple[object, object, int, int, str]] = []
+        """Each transfer kept out of use: its handle, registration, memory (address, bytes) and memory kind."""
+        self._handed_over: set[tuple[int, int]] = set()
+        """Host memory kept out of use whose fill has unmapped the rest of its mapping (see :meth:`hand_over`)."""
         self._lock = threading.Condition()
         """Guards what is known of peers (never held across a transfer)."""
 
@@ -240,6 +244,8 @@ class PieceFetcher:
         if offset < 0 or offset + nbytes > where.size:
             raise FleetPeerError(f"{peer}: bytes {offset}..{offset + nbytes} lie outside its {where.size}-byte offer")
         remote = (where.address, where.memory, where.device)
+        if self._stuck_handles:
+            self.reap()
         name = self._start(peer, where.address, bytes.fromhex(where.metadata))
         notice = b"" if served_as is None else f"served {served_as} {nbytes}".encode()
         try:
@@ -314,15 +320,19 @@ class PieceFetcher:
                 state = agent.transfer(handle)  # type: ignore[attr-defined]
                 while state not in ("DONE", "ERR"):
                     if time.monotonic() - started > self.timeout_s:
-                        raise FleetPeerError(
-                            f"{peer}: bytes {offset}..{offset + nbytes} not delivered in {self.timeout_s:.0f} s"
+                        stuck = True
+                        self._keep_out_of_use(handle, registration, local, nbytes, "not delivered in time")
+                        raise MemoryStillInUseError(
+                            f"{peer}: bytes {offset}..{offset + nbytes} not delivered in {self.timeout_s:.0f} s; "
+                            f"the read may still land (a stopped peer answers when it resumes), so the {nbytes} "
+                            f"bytes at {destination:#x} are kept out of use and their fill abandoned"
                         )
                     time.sleep(POLL_S)
                     state = agent.check_xfer_state(handle)  # type: ignore[attr-defined]
                 if state == "ERR":
                     raise FleetPeerError(f"{peer}: the read of bytes {offset}..{offset + nbytes} failed")
             finally:
-                if not self._release(handle, registration, local, nbytes):
+                if not stuck and not self._release(handle, registration, local, nbytes):
                     stuck = True  # this error, not the transfer's: the fill's memory is no longer its own
                     raise MemoryStillInUseError(
                         f"{peer}: the read of bytes {offset}..{offset + nbytes} could not be stopped: the {nbytes} "
@@ -337,23 +347,68 @@ class PieceFetcher:
                 agent.deregister_memory(registration)  # type: ignore[attr-defined]
 
     def _release(self, handle: object, registration: object, local: tuple[int, str, int], nbytes: int) -> bool:
-        """Release a transfer's ``handle``; whether it was. NIXL refuses where the transfer is still under way and
-        cannot be cancelled: it may still write the ``nbytes`` at ``local``, so that memory is kept out of use for
-        good (host memory: fenced off, a private mapping the fill never unmaps; its registration and the handle
-        are kept, so no page under them is ever handed out again)."""
+        """Release a finished transfer's ``handle``; whether it was. Where NIXL refuses, the transfer may still write
+        the ``nbytes`` at ``local``: that memory is kept out of use (:meth:`_keep_out_of_use`)."""
         try:
             self._agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
             return True
         except Exception as error:  # noqa: BLE001 - NIXL_ERR_REPOST_ACTIVE and the like
-            destination, memory, _ = local
-            log.error("fleet: a transfer into %#x (%d bytes) could not be released (%s): kept out of use",
-                      destination, nbytes, error)  # fmt: skip
-            if memory == "DRAM":
-                fence_off(destination, nbytes)
-            with self._lock:
-                self.stuck.append((destination, nbytes))
-                self._stuck_handles.append((handle, registration))
+            self._keep_out_of_use(handle, registration, local, nbytes, f"could not be released: {error}")
             return False
+
+    def _keep_out_of_use(
+        self, handle: object, registration: object, local: tuple[int, str, int], nbytes: int, why: str
+    ) -> None:
+        """A transfer that may still write the ``nbytes`` at ``local``: a read past its deadline (releasing it only
+        cancels the request, which NIXL's UCX backend itself says may not stop the transfer; a peer that was stopped
+        answers when it resumes) or one NIXL would not release. Host memory is fenced off (a private mapping the fill
+        never unmaps); the handle and its registration are kept, so no page under them is handed out again, until
+        the transfer is seen to end (:meth:`reap`)."""
+        destination, memory, _ = local
+        log.error("fleet: a transfer into %#x (%d bytes) %s: kept out of use until it ends", destination, nbytes, why)
+        if memory == "DRAM":
+            fence_off(destination, nbytes)
+        with self._lock:
+            self.stuck.append((destination, nbytes))
+            self._stuck_handles.append((handle, registration, destination, nbytes, memory))
+
+    def hand_over(self, address: int, size: int) -> None:
+        """The fill whose memory was ``size`` bytes at ``address`` has unmapped it, but for what is kept out of use
+        there: :meth:`reap` may unmap those ranges once their transfers end (never before: the fill's own unmap would
+        then hit whatever the kernel mapped into the hole meanwhile)."""
+        with self._lock:
+            self._handed_over.update((at, nbytes) for at, nbytes in self.stuck if address <= at < address + size)
+
+    def reap(self) -> int:
+        """Release the transfers kept out of use that have ended since (done or failed: nothing more can land), and
+        unmap the memory they were fenced into; how many are still kept. Called as each read starts."""
+        with self._lock:
+            kept = list(self._stuck_handles)
+        ended = []
+        for held in kept:
+            handle, registration, destination, nbytes, memory = held
+            if memory == "DRAM" and (destination, nbytes) not in self._handed_over:
+                continue  # its fill still has the mapping around it: unmapped here only once the fill let go
+            try:
+                if self._agent.check_xfer_state(handle) not in ("DONE", "ERR"):  # type: ignore[attr-defined]
+                    continue
+                self._agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
+            except Exception as error:  # noqa: BLE001 - NIXL cannot tell, or will not release it yet: kept
+                log.debug("fleet: the transfer kept out of use at %#x is not over: %s", destination, error)
+                continue
+            with contextlib.suppress(Exception):  # the transfer is over; a registration NIXL lost is gone either way
+                self._agent.deregister_memory(registration)  # type: ignore[attr-defined]
+            if memory == "DRAM":
+                unmap(destination, nbytes)
+            ended.append(held)
+        with self._lock:
+            for held in ended:
+                self._stuck_handles.remove(held)
+                self.stuck.remove((held[2], held[3]))
+                self._handed_over.discard((held[2], held[3]))
+            if ended:
+                log.info("fleet: %d transfers kept out of use have ended: their memory is released", len(ended))
+            return len(self._stuck_handles)
 
     def forget(self, peer: str) -> None:
         """Drop what is known of ``peer``'s agent (it left, restarted or failed): the next read loads it again.
