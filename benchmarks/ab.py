@@ -10,7 +10,7 @@ once it is. Before each run the page cache is dropped (cold) or filled (warm) an
 cache is not what it should be stops the benchmark. In each round the two sides alternate and the order flips every
 round, so the machine's drift falls on both.
 
-Shapes: ``llama`` (Llama-shaped, a Llama 3 vocabulary: a 525 MB embedding at 2048 wide, in two files), ``huge``
+Shapes: ``llama`` (Llama-shaped in two files, from 1.3 GB with Llama 3's vocabulary: a 525 MB embedding), ``huge``
 (one tensor), ``many`` (small tensors of 64 KiB, at most 20,000). Reported per shape and cache: each side's median
 GB/s with its min and max, seconds to the first tensor (``iter_weights`` only), peak RSS above the start, and the
 ratio of the medians B/A (above 1: B is faster).
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -33,12 +32,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402 - after the tree is on the path
+import torch
 
-from weightstream.arguments import parse_size  # noqa: E402
-from weightstream.bench.demo import LlamaShape, llama_state_dict, write_sharded  # noqa: E402
-from weightstream.bench.runner import prepare_cache  # noqa: E402
-from weightstream.save.write import write_safetensors  # noqa: E402
+from weightstream.arguments import parse_size
+from weightstream.bench.demo import LlamaShape, llama_state_dict, write_sharded
+from weightstream.bench.runner import prepare_cache
+from weightstream.save.write import write_safetensors
 
 SHAPES = ("llama", "huge", "many")
 CACHES = ("cold", "warm")
@@ -93,7 +92,11 @@ def checkpoint(shape: str, size: int, directory: Path) -> tuple[str, list[str]]:
         if not files:
             base = LlamaShape(vocab=128256, layers=0).nbytes()
             per_layer = LlamaShape(vocab=128256, layers=1).nbytes() - base
-            llama = LlamaShape(vocab=128256, layers=max(1, round((size - base) / per_layer)))
+            llama = (
+                LlamaShape(vocab=128256, layers=round((size - base) / per_layer))
+                if size >= base + per_layer
+                else LlamaShape.of_size(size)  # under 1.3 GB: no room for Llama 3's vocabulary
+            )
             with _staged(target) as staging:
                 write_sharded(llama_state_dict(llama), staging, shards=2)
             files = sorted(str(path) for path in target.glob("*.safetensors"))
@@ -105,7 +108,9 @@ def checkpoint(shape: str, size: int, directory: Path) -> tuple[str, list[str]]:
         else:
             count = min(MAX_SMALL_TENSORS, max(1, size // SMALL_TENSOR_BYTES))
             each = size // count // 2
-            state = {f"small.{n}.weight": torch.empty(each, dtype=torch.bfloat16).normal_(0, 0.02) for n in range(count)}
+            state = {
+                f"small.{n}.weight": torch.empty(each, dtype=torch.bfloat16).normal_(0, 0.02) for n in range(count)
+            }
         with _staged(target) as staging:
             write_safetensors(str(staging / "model.safetensors"), state, {"format": "pt"})
     return str(path), [str(path)]
@@ -125,19 +130,22 @@ def _staged(target: Path) -> Iterator[Path]:
 
 
 def unpack(revision: str, into: Path) -> tuple[str, Path]:
-    """``revision``'s tree (its full commit id) unpacked under ``into``."""
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{revision}^{{commit}}"],
+    """``revision``'s tree (its full commit id) unpacked in ``into`` (made here)."""
+    found = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout.strip()
-    root = into / commit[:12]
+        check=False,
+    )
+    if found.returncode != 0:
+        raise SystemExit(f"ab.py: {revision!r} is not a commit of {ROOT}")
+    commit = found.stdout.strip()
+    root = into
     root.mkdir()
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", "--format=tar", commit, "weightstream"], capture_output=True, check=True
     ).stdout
-    tar_path = into / f"{commit[:12]}.tar"
+    tar_path = into.with_suffix(".tar")
     tar_path.write_bytes(archive)
     with tarfile.open(tar_path) as tar:
         tar.extractall(root, filter="data")
@@ -193,11 +201,11 @@ def main() -> int:
     if unknown or args.rounds < 1:
         parser.error(f"unknown shapes or caches {unknown}, or rounds below 1")
     with tempfile.TemporaryDirectory(prefix="ws-ab-") as scratch:
-        a_commit, a_root = unpack(args.rev, Path(scratch))
+        a_commit, a_root = unpack(args.rev, Path(scratch) / "A")
         if args.b is None:
             b_name, b_root = "working tree", ROOT
         else:
-            b_name, b_root = unpack(args.b, Path(scratch))
+            b_name, b_root = unpack(args.b, Path(scratch) / "B")
         sides = {"A": (a_root, args.a_options), "B": (b_root, args.b_options)}
         checkpoints = {shape: checkpoint(shape, args.size, args.dir) for shape in shapes}
         runs: dict[tuple[str, str, str], list[dict]] = {}
@@ -220,7 +228,9 @@ def main() -> int:
     for shape in shapes:
         for cache in caches:
             a, b = summary(runs[(shape, cache, "A")]), summary(runs[(shape, cache, "B")])
-            results.append({"shape": shape, "cache": cache, "A": a, "B": b, "b_over_a": b["gbps_median"] / a["gbps_median"]})
+            results.append(
+                {"shape": shape, "cache": cache, "A": a, "B": b, "b_over_a": b["gbps_median"] / a["gbps_median"]}
+            )
     report = {
         "A": {"revision": args.rev, "commit": a_commit, "options": args.a_options},
         "B": {"revision": b_name, "options": args.b_options},

@@ -9,6 +9,7 @@ import hashlib
 import http.server
 import os
 import re
+import sys
 import threading
 import time
 import urllib.parse
@@ -48,12 +49,20 @@ class QuietHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    """A client that goes away mid-answer (a killed node) is no error of the server's: nothing printed for it."""
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
 class LoopbackServer:
     """A threaded server of ``handler`` on ``host`` (port chosen by the kernel), ``url`` its address;
     ``with`` it to serve and to stop (every thread joined)."""
 
     def __init__(self, handler: type[http.server.BaseHTTPRequestHandler], host: str, name: str) -> None:
-        self._server = http.server.ThreadingHTTPServer((host, 0), handler)
+        self._server = _Server((host, 0), handler)
         self._server.daemon_threads = True
         self.url = f"http://{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name=name, daemon=True)
