@@ -489,3 +489,44 @@ def test_a_second_daemon_with_a_live_nodes_name_is_refused_naming_its_lease(tmp_
             remove(directory, socket_path)
         assert EtcdGateway([fleet.etcd]).get_held("/names/nodes/twin") == held, "the first daemon lost its place"
         assert stats(first.socket)["fleet"]["node"] == "twin"
+
+
+def test_a_frozen_peer_costs_a_load_one_transfer_deadline_and_its_late_bytes_harm_nothing(tmp_path: Path):
+    """The only holder is frozen (SIGSTOP, its lease alive): a load through the joiner waits one transfer deadline
+    (``--fleet-transfer-timeout``), then the joiner fills a fresh file from the origin (``transfers_stuck``) and the
+    load is bit-exact. Thawed, the holder delivers what was asked of it: the joiner lives on (before: exit -11, the
+    bytes landing in memory unmapped since), releases the transfers once over, and serves its copy bit-exact."""
+    import signal
+
+    state, _ = origin_file(tmp_path, 512, 19)
+
+    def tcp(command: list[str]) -> list[str]:  # as between machines: on one host UCX reads a stopped peer itself
+        return ["env", "UCX_TLS=tcp", *command]
+
+    with fleet_of(tmp_path, "/frozenpeer") as fleet:
+        fleet.places["holder"], fleet.places["joiner"] = cache_places("fzholder"), cache_places("fzjoiner")
+        holder = Daemon(*fleet.places["holder"], "--fleet", fleet.url, "--fleet-node", "holder", wrap=tcp)
+        joiner = Daemon(
+            *fleet.places["joiner"], "--fleet", fleet.url, "--fleet-node", "joiner", "--fleet-transfer-timeout", "4",
+            wrap=tcp,
+        )  # fmt: skip
+        with holder, joiner:
+            assert_same(weightstream.load_weights(fleet.file, cache=str(holder.socket)), state)
+            os.kill(holder.process.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                assert_same(weightstream.load_weights(fleet.file, cache=str(joiner.socket)), state)
+                took = time.monotonic() - started
+                counted = stats(joiner.socket)["fleet"]
+            finally:
+                os.kill(holder.process.pid, signal.SIGCONT)
+            assert counted["transfers_stuck"] == 1 and counted["bytes_from_peers"] == 0, counted
+            assert took < 4 + 20, f"{took:.1f} s: more than one transfer deadline (4 s) and an origin read"
+            assert "not delivered in time: kept out of use until it ends" in joiner.log()
+            assert counted["transfers_kept_out_of_use"] >= 1, counted
+            deadline = time.monotonic() + 60
+            while stats(joiner.socket)["fleet"]["transfers_kept_out_of_use"] and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert stats(joiner.socket)["fleet"]["transfers_kept_out_of_use"] == 0, "never seen to end"
+            assert joiner.process.poll() is None, joiner.log()[-3000:]
+            assert_same(weightstream.load_weights(fleet.file, cache=str(joiner.socket)), state)

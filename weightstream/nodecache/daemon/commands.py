@@ -87,6 +87,14 @@ def add_cache_commands(
     serve.add_argument("--fleet-cert", default=None, metavar="PEM", help="etcds://: this node's client certificate")
     serve.add_argument("--fleet-key", default=None, metavar="PEM", help="etcds://: its private key")
     serve.add_argument(
+        "--fleet-transfer-timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="seconds one piece's transfer from a peer may take before the fill gives it up and fills a fresh file "
+        "from the origin (default 30)",
+    )
+    serve.add_argument(
         "--idle-timeout",
         type=_seconds,
         default=10.0,
@@ -213,19 +221,23 @@ def _describe_fleet(args: argparse.Namespace) -> int:
 def _fleet(args: argparse.Namespace) -> Callable[[], FleetNode] | None:
     """How this daemon joins the fleet ``--fleet`` names (after its own checks, before it listens)."""
     if not args.fleet:
-        if args.fleet_node or args.fleet_ca or args.fleet_cert or args.fleet_key:
-            raise CacheConfigError("--fleet-node, --fleet-ca, --fleet-cert and --fleet-key need --fleet")
+        if args.fleet_node or args.fleet_ca or args.fleet_cert or args.fleet_key or args.fleet_transfer_timeout:
+            raise CacheConfigError(
+                "--fleet-node, --fleet-ca, --fleet-cert, --fleet-key and --fleet-transfer-timeout need --fleet"
+            )
         return None
     import socket
 
     from weightstream.nodecache.daemon.fleet.node import FleetNode, check_node_name, parse_fleet, tls_context
+    from weightstream.nodecache.daemon.fleet.transfer import PIECE_TIMEOUT_S
 
     address = parse_fleet(args.fleet)
     context = tls_context(args.fleet_ca, args.fleet_cert, args.fleet_key, address)
     node = args.fleet_node or socket.gethostname()
     check_node_name(node)
     home = hashlib.sha256(f"{socket.gethostname()}\0{os.path.realpath(args.dir)}".encode()).hexdigest()[:32]
-    return lambda: FleetNode.join(address, node, context, home, lambda: not in_use(args.dir))
+    timeout = args.fleet_transfer_timeout or PIECE_TIMEOUT_S
+    return lambda: FleetNode.join(address, node, context, home, lambda: not in_use(args.dir), timeout)
 
 
 def _cache(args: argparse.Namespace) -> NodeCache:

@@ -79,6 +79,7 @@ class FleetFill:
         membership.on_registered_again.append(self._offer_again)
         membership.renewals.append(self.entries.renew)
         membership.renewals.append(self.served_to_peers)  # the notices collected: they wait in the agent till then
+        membership.renewals.append(fetcher.reap)  # transfers kept out of use: released once they are seen to end
 
     def fill(self, entry: str, fd: int, size: int, read_origin: ReadOrigin) -> FillStats:
         """Fill the file ``fd`` (``size`` bytes long already) with ``entry``'s bytes; where they came from.

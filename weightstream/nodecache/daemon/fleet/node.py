@@ -27,7 +27,7 @@ from weightstream.nodecache.daemon.fleet.origin_digest import check_held
 from weightstream.nodecache.daemon.fleet.pieces import FillStats
 from weightstream.nodecache.daemon.fleet.record_store import RecordStore
 from weightstream.nodecache.daemon.fleet.records import NAME
-from weightstream.nodecache.daemon.fleet.transfer import PieceFetcher, PieceServer, memory_at, nixl
+from weightstream.nodecache.daemon.fleet.transfer import PIECE_TIMEOUT_S, PieceFetcher, PieceServer, memory_at, nixl
 from weightstream.nodecache.daemon.segments import FILL_CHUNK_BYTES, Segment, read_piece
 from weightstream.sources import REMOTE_SCHEMES
 from weightstream.sources.base import Source
@@ -156,7 +156,7 @@ class FleetNode:
 
     def __init__(self, fill: FleetFill, membership: Membership, server: PieceServer) -> None:
         self._fill, self.membership, self.server = fill, membership, server
-        self.counters = {**dataclasses.asdict(FillStats()), "fills_without_fleet": 0}
+        self.counters = {**dataclasses.asdict(FillStats()), "fills_without_fleet": 0, "transfers_stuck": 0}
         self.entries: dict[str, dict[str, int]] = {}
         """Where each entry filled since the daemon started got its bytes (as ``counters``, for that entry)."""
         self.devices: PeerDevices | None = None
@@ -171,8 +171,10 @@ class FleetNode:
         tls: ssl.SSLContext | None = None,
         home: str = "",
         home_is_free: Callable[[], bool] = lambda: False,
+        transfer_timeout_s: float = PIECE_TIMEOUT_S,
     ) -> FleetNode:
-        """Join the fleet at ``address`` as ``node`` (from ``home``: see :class:`Membership`).
+        """Join the fleet at ``address`` as ``node`` (from ``home``: see :class:`Membership`), each piece's transfer
+        from a peer given ``transfer_timeout_s``.
 
         Raises:
             CacheConfigError: NIXL is not installed (with the hint), or a live node of the fleet has the name.
@@ -183,7 +185,7 @@ class FleetNode:
         etcd = EtcdGateway(address.endpoints, tls)
         membership = Membership(RecordStore(etcd, address.prefix), node, home=home, home_is_free=home_is_free)
         server = PieceServer(node)
-        return cls(FleetFill(membership, PieceFetcher(node), server), membership, server)
+        return cls(FleetFill(membership, PieceFetcher(node, transfer_timeout_s), server), membership, server)
 
     def use_devices(self, copies: DeviceCopies) -> PeerDevices:
         """Offer the device copies of ``copies`` (the daemon's device tier) to peers, and fill device requests from
@@ -311,7 +313,8 @@ class FleetNode:
 
     def status(self) -> dict[str, object]:
         """This node's counts in all and per entry, with the bytes its peers read from it (as their agents told this
-        node's), and why etcd was last out of reach (``etcd_error``: None while its lease renews).
+        node's), why etcd was last out of reach (``etcd_error``: None while its lease renews), and the transfers kept
+        out of use now (``transfers_kept_out_of_use``: 0 once each has ended).
 
         Example:
             >>> node.status()["bytes_served_to_peers"]  # doctest: +SKIP
@@ -328,7 +331,7 @@ class FleetNode:
         return {"node": self.membership.node, "out_of_fleet": self.membership.refused, **counters,
                 "bytes_served_to_peers": sum(served.values()), "etcd_error": self.membership.etcd_error,
                 "bad_records": self.membership.store.bad_records, "bad_notices": self.server.bad_notices,
-                "entries": entries}  # fmt: skip
+                "transfers_kept_out_of_use": len(self._fill.fetcher.stuck), "entries": entries}  # fmt: skip
 
     def close(self) -> None:
         """Leave the fleet (the lease revoked: every claim and offer of this node goes with it)."""

@@ -381,7 +381,8 @@ class PieceFetcher:
 
     def reap(self) -> int:
         """Release the transfers kept out of use that have ended since (done or failed: nothing more can land), and
-        unmap the memory they were fenced into; how many are still kept. Called as each read starts."""
+        unmap the memory they were fenced into; how many are still kept. Called as each read starts and at each
+        renewal of the node's lease."""
         with self._lock:
             kept = list(self._stuck_handles)
         ended = []
