@@ -60,6 +60,20 @@ def test_load_errors_name_the_flags(checkpoint: Path, arguments, status, said, c
     assert not any(name in error for name in ("chunk_bytes", "max_inflight_bytes", "prefetch_layers", "format='"))
 
 
+def test_a_window_error_speaks_mib_and_the_rule(tmp_path: Path, capsys):
+    """A window too small for the largest tensor is told in the flag's own unit, with the size that works."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"big": torch.zeros(3 << 18), "small": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
+    arguments = ["--format", "streaming", "--chunk-mib", "1", "--max-inflight-mib", "2"]
+    assert main(["load", str(tmp_path / "model.safetensors"), *arguments]) == 1
+    error = capsys.readouterr().err
+    assert "--max-inflight-mib 2 cannot hold tensor 'big'" in error, error
+    assert "so at least 4 MiB here; or leave it unset" in error, error
+    assert not any(word in error for word in ("max_inflight_bytes", "None", "2097152 ("))
+
+
 def test_device_errors_in_flags(checkpoint: Path):
     import torch
 

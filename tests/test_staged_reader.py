@@ -173,5 +173,7 @@ def test_destination_memory_is_bounded_by_the_window(tmp_path: Path, max_infligh
 
 def test_max_inflight_bytes_too_small_for_a_tensor_is_refused_before_any_allocation(tmp_path: Path, no_leaks):
     uri = save_hf_sharded({"big": torch.zeros(1 << 18), "small": torch.zeros(4)}, tmp_path / "ckpt", shards=1)
-    with pytest.raises(weightstream.InvalidOptionError, match=r"max_inflight_bytes=524288 cannot hold tensor 'big'"):
+    with pytest.raises(
+        weightstream.InvalidOptionError, match=r"max_inflight_bytes=524288 \(0.5 MiB\) cannot hold tensor 'big'"
+    ):
         weightstream.open(uri, format="streaming", max_inflight_bytes=512 << 10, chunk_bytes=256 << 10)

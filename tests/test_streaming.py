@@ -81,8 +81,9 @@ def test_a_window_too_small_for_the_largest_tensor_is_refused_before_reading(tmp
     uri = str(save_hf_sharded(llama_state_dict(SHAPE, seed=7), tmp_path / "ckpt", shards=1))
     with pytest.raises(
         weightstream.InvalidOptionError,
-        match=r"max_inflight_bytes=2097152 cannot hold tensor 'lm_head.weight' of .*model-00001-of-00001.safetensors "
-        r"\(4096000 bytes, 4100096 with page alignment\); raise it or leave it None",
+        match=r"max_inflight_bytes=2097152 \(2 MiB\) cannot hold tensor 'lm_head.weight' of "
+        r".*model-00001-of-00001.safetensors \(4096000 bytes, 4100096 with page alignment\): the window holds at "
+        r"least the largest tensor, so at least 4 MiB here; or leave it unset \(1 GiB, or the largest tensor",
     ):
         weightstream.iter_weights(uri, format="streaming", chunk_bytes=MIB, max_inflight_bytes=2 * MIB)
 
@@ -91,7 +92,7 @@ def test_a_window_smaller_than_the_default_request_is_refused(tmp_path: Path, no
     uri = str(save_hf_sharded(llama_state_dict(SHAPE, seed=7), tmp_path / "ckpt", shards=1))
     with pytest.raises(
         weightstream.InvalidOptionError,
-        match=r"max_inflight_bytes=4194304 is less than one read request of .*ckpt \(8388608 bytes",
+        match=r"max_inflight_bytes=4194304 \(4 MiB\) is less than one read request of .*ckpt \(8388608 bytes, 8 MiB",
     ):
         weightstream.iter_weights(uri, format="streaming", max_inflight_bytes=4 * MIB)
 

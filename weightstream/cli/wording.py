@@ -20,6 +20,8 @@ FLAGS = {
 _BOUNDARY_BEFORE = r"(?<![\w/.-])"
 _BOUNDARY_AFTER = r"(?![\w/.-])"
 _ASSIGNMENT = re.compile(_BOUNDARY_BEFORE + r"(format|device|pin_memory)=(?:'([^'\s]*)'|(True))")
+_BYTES = re.compile(_BOUNDARY_BEFORE + r"(chunk_bytes|max_inflight_bytes)=(\d+)(?: \([^)]*MiB\))?")
+"""A size the API names in bytes, whose flag takes MiB (the bytes' own rendering in MiB after it, dropped)."""
 _OPTION_OF = re.compile(_BOUNDARY_BEFORE + r"([a-z_]+)(?=: an option of )")
 _NAME = re.compile(_BOUNDARY_BEFORE + "(" + "|".join(FLAGS) + ")" + _BOUNDARY_AFTER)
 
@@ -32,6 +34,8 @@ def in_flags(message: str) -> str:
         '--max-inflight-mib: an option of --format streaming; pass --device cpu or --pin-memory'
         >>> in_flags("rank: an option of format='sharded-state'")
         '--rank: an option of --format sharded-state'
+        >>> in_flags("max_inflight_bytes=67108864 (64 MiB) cannot hold tensor 'x'")
+        "--max-inflight-mib 64 cannot hold tensor 'x'"
     """
 
     def assignment(match: re.Match[str]) -> str:
@@ -39,5 +43,6 @@ def in_flags(message: str) -> str:
         flag = FLAGS.get(name, f"--{name}")
         return flag if true else f"{flag} {value}"
 
+    message = _BYTES.sub(lambda match: f"{FLAGS[match.group(1)]} {int(match.group(2)) / 2**20:g}", message)
     message = _OPTION_OF.sub(lambda match: FLAGS.get(match.group(1), "--" + match.group(1).replace("_", "-")), message)
     return _NAME.sub(lambda match: FLAGS[match.group(1)], _ASSIGNMENT.sub(assignment, message))

@@ -82,15 +82,23 @@ def window_bytes(plan: LoadPlan, opts: LoadOptions, max_inflight_bytes: int | No
         return max(DEFAULT_INFLIGHT_BYTES, needed)
     if max_inflight_bytes < opts.request_bytes(plan.uri):
         raise InvalidOptionError(
-            f"max_inflight_bytes={max_inflight_bytes} is less than one read request of {plan.uri} "
-            f"({opts.request_bytes(plan.uri)} bytes, chunk_bytes); lower chunk_bytes or raise the window"
+            f"max_inflight_bytes={max_inflight_bytes} ({_mib(max_inflight_bytes)}) is less than one read request of "
+            f"{plan.uri} ({opts.request_bytes(plan.uri)} bytes, {_mib(opts.request_bytes(plan.uri))}: chunk_bytes); "
+            "lower chunk_bytes or raise the window"
         )
     if needed > max_inflight_bytes:
+        assert largest is not None  # needed is 0 without a tensor
         raise InvalidOptionError(
-            f"max_inflight_bytes={max_inflight_bytes} cannot hold tensor {largest.name!r} of {largest.file} "
-            f"({largest.nbytes} bytes, {needed} with page alignment); raise it or leave it None"
+            f"max_inflight_bytes={max_inflight_bytes} ({_mib(max_inflight_bytes)}) cannot hold tensor "
+            f"{largest.name!r} of {largest.file} ({largest.nbytes} bytes, {needed} with page alignment): the window "
+            f"holds at least the largest tensor, so at least {-(-needed // 2**20)} MiB here; or leave it unset (1 GiB, "
+            "or the largest tensor where that is bigger)"
         )
     return max_inflight_bytes
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g} MiB"
 
 
 class BatchMemory(Protocol):
