@@ -432,6 +432,22 @@ def test_cli_ls_for_people(tmp_path, daemon):
     assert "\x1b" not in "".join(listed)
 
 
+def test_cli_stats_for_people(tmp_path, daemon):
+    """``cache stats`` without ``--json``: sizes in GiB as ``ls`` gives them, words where JSON says null or false."""
+    save_file(state(), str(tmp_path / "model.safetensors"))
+    weightstream.load_weights(tmp_path / "model.safetensors", cache=str(daemon.socket), zero_copy=False)
+    text = cache_cli(daemon, "stats", json_output=False).stdout
+    lines = text.splitlines()
+    assert "None" not in text and "{" not in text and "True" not in text and "False" not in text, text
+    assert re.search(r"^bytes: \d+\.\d{3} GiB$", text, re.MULTILINE), text
+    assert re.search(r"^budget: (\d+\.\d{3} GiB|as much as fits)$", text, re.MULTILINE), text
+    assert "fleet: not in a fleet" in lines and "fills: 1" in lines and "entries: 1" in lines, lines
+    assert re.search(r"^huge_pages: (yes|no)$", text, re.MULTILINE), text
+    log = daemon.log()  # a service says where it serves and what it fills, at its default level (info)
+    assert re.search(r"INFO: serving \S+ from \S+, budget .*: 0 segments adopted .*; not in a fleet", log), log
+    assert re.search(r"INFO: filled [0-9a-f]{32} \(\S*model\.safetensors, \d+ bytes\) in ", log), log
+
+
 def test_a_signed_urls_signature_is_kept_nowhere_and_a_re_signed_url_is_the_same_entry(tmp_path, daemon):
     from tests.rangeserver import RangeServer
 

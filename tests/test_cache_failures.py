@@ -239,6 +239,8 @@ def test_clients_varying_their_options_do_not_exhaust_the_daemon(tmp_path, place
         (["--budget", "9" * 400], "argument --budget: not a size"),
         (["--budget", "99999999999999999999"], "argument --budget: too large a size"),
         (["--group", "no-such-group-here"], "weightstream: error: --group no-such-group-here: no such group"),
+        (["--group", "99999999999"], "weightstream: error: --group 99999999999: a group id is below 4294967295"),
+        (["--fleet-transfer-timeout", "5"], "--fleet-transfer-timeout need --fleet"),
         (["--device", "nonsense"], "weightstream: error: --device 'nonsense': name a GPU as cuda:N"),
         (["--idle-timeout", "nan"], "argument --idle-timeout: seconds must be positive and finite, got 'nan'"),
         (["--idle-timeout", "-1"], "argument --idle-timeout: seconds must be positive and finite, got '-1'"),

@@ -44,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:  # said by the command that was given, with its usage, not the top level's
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     verbose = {0: None, 1: "info"}.get(args.verbose, "debug")
-    _log_to_stderr(args.log_level or verbose or os.environ.get(LOG_ENVIRONMENT) or "warning")
+    default = getattr(args, "default_log_level", "warning")  # `cache serve`: info, a service's start and fills
+    _log_to_stderr(args.log_level or verbose or os.environ.get(LOG_ENVIRONMENT) or default)
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
     try:
@@ -94,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         "-l",
         choices=LOG_LEVELS,
         default=None,
-        help=f"log lines shown on stderr (default: ${LOG_ENVIRONMENT}, else warning)",
+        help=f"log lines shown on stderr (default: ${LOG_ENVIRONMENT}, else warning; info for cache serve)",
     )
     parser.add_argument(
         "--verbose",

@@ -7,7 +7,6 @@ import contextlib
 import grp
 import hashlib
 import json
-import logging
 import math
 import os
 import sys
@@ -106,7 +105,7 @@ def add_cache_commands(
         default=30.0,
         help="on SIGTERM, seconds fills in progress get to finish before they are cancelled (default 30)",
     )
-    serve.set_defaults(run=_serve)
+    serve.set_defaults(run=_serve, default_log_level="info")  # a service logs its start and each fill
     for name, text in (("ls", "list the entries"), ("stats", "the daemon's counters")):
         action = actions.add_parser(name, allow_abbrev=False, help=text)
         _add_socket(action)
@@ -173,11 +172,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+MAX_ID = 2**32 - 1
+"""Linux ids are 32 bits, and ``(gid_t) -1`` means "no change" to the calls that take one."""
+
+
 def _group(name: str | None) -> int | None:
     """The gid ``--group`` names (a group name or a number)."""
     if name is None:
         return None
     if name.isdigit():
+        if int(name) >= MAX_ID:
+            raise CacheConfigError(f"--group {printable(name[:64])}: a group id is below {MAX_ID} (or name a group)")
         return int(name)
     try:
         return grp.getgrnam(name).gr_gid
@@ -186,7 +191,6 @@ def _group(name: str | None) -> int | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s weightstream-cache %(levelname)s %(message)s")
     return run_daemon(
         args.dir,
         _socket(args),
@@ -262,8 +266,45 @@ def _simple(args: argparse.Namespace) -> int:
         evicted, kept = answer["evicted"], answer["kept_referenced"]
         print(f"evicted {len(evicted)} entries" + (f"; kept {len(kept)} in use" if kept else ""))  # type: ignore[arg-type]
     else:
-        print("\n".join(f"{key}: {printable(str(value))}" for key, value in answer.items()))
+        print("\n".join(_stats_lines(answer)))
     return 0
+
+
+ABSENT = {
+    "budget": "as much as fits",
+    "fleet": "not in a fleet",
+    "etcd_error": "none (its lease renews)",
+    "out_of_fleet": "no",
+}
+"""What ``stats`` means by ``null`` for the fields where it has a meaning."""
+
+
+def _stats_lines(answer: dict[str, object], prefix: str = "") -> list[str]:
+    """``stats`` for people: sizes in GiB as ``ls`` gives them, ``yes``/``no``, words for absent values, nested counts
+    as ``fleet.bytes_from_peers``; the per-entry counts only by number (``--json`` has them).
+
+    Example:
+        >>> _stats_lines({"ok": True, "budget": None, "bytes": 3 << 29, "huge_pages": False, "fleet": {"entries": {}}})
+        ['budget: as much as fits', 'bytes: 1.500 GiB', 'huge_pages: no', 'fleet.entries: 0']
+    """
+    lines = []
+    for key, value in answer.items():
+        name = prefix + key
+        if key == "ok":
+            continue
+        if isinstance(value, dict):
+            lines += (
+                [f"{name}: {len(value)}"] if key == "entries" else _stats_lines(value, name + ".") or [f"{name}: -"]
+            )
+        elif value is None:
+            lines.append(f"{name}: {ABSENT.get(key, '-')}")
+        elif isinstance(value, bool):
+            lines.append(f"{name}: {'yes' if value else 'no'}")
+        elif isinstance(value, int) and (key.startswith("bytes") or key.endswith("bytes") or key == "budget"):
+            lines.append(f"{name}: {value / 2**30:.3f} GiB")
+        else:
+            lines.append(f"{name}: {printable(str(value))}")
+    return lines
 
 
 def _table(entries: list[dict[str, object]]) -> str:

@@ -123,13 +123,16 @@ class CacheDaemon:
         except BaseException:
             self._release()
             raise
+        budget = self.segments.budget
         log.info(
-            "serving %s from %s: %d segments adopted (%d bytes), %d files discarded",
+            "serving %s from %s, budget %s: %d segments adopted (%d bytes), %d files discarded; %s",
             self.socket_path,
             self.segments.directory,
+            "as much as fits" if budget is None else f"{budget} bytes",
             self.segments.adopted,
             self.segments.used_bytes,
             self.segments.discarded,
+            "not in a fleet" if self.fleet is None else f"in the fleet as {self.fleet.membership.node}",
         )
         try:
             if on_ready is not None:
