@@ -111,7 +111,12 @@ def test_a_client_outside_the_group_is_refused(public, group_daemon):
     save_file(state(2), str(shared))
     shared.chmod(0o644)
     refused = load_as(NOBODY, str(shared), group_daemon.socket, groups=())
-    assert refused["error"] == "CacheUnavailableError" and refused["message"].endswith("Permission denied")
+    assert refused["error"] == "CacheRefusedError", refused  # a daemon is there: the user is not let in
+    assert refused["message"] == (
+        f"{group_daemon.socket}: a cache daemon's socket, but uid {NOBODY} may not connect (Permission denied): not "
+        f"in the daemon's group (the socket is root:{GROUP}, mode 660); ask to be added to that group, or run a "
+        "daemon of your own"
+    ), refused
     os.chmod(group_daemon.socket, 0o666)  # opened up by mistake: the daemon still checks the group
     refused = load_as(NOBODY, str(shared), group_daemon.socket, groups=())
     assert refused["error"] == "CacheRefusedError"
@@ -485,3 +490,41 @@ def test_one_user_cannot_take_every_connection(public, group_daemon, tmp_path):
             assert_same(loaded, state(10))  # the daemon's own user still gets in
         finally:
             hog.kill()
+
+
+def test_a_group_member_finds_roots_daemon_unnamed_and_an_outsider_is_told_and_reads_the_source(public):
+    """``cache="auto"`` without ``$WEIGHTSTREAM_CACHE``: a member of root's daemon's group, whose own default socket
+    is not there, loads through root's (``/run/weightstream/cache.sock``); a user outside the group is told, at
+    WARNING, that it is not in the daemon's group, and reads the source itself."""
+    from weightstream.nodecache.connection import ROOT_SOCKET
+
+    if os.path.lexists(ROOT_SOCKET):
+        pytest.skip(f"a daemon of this machine's listens at {ROOT_SOCKET}")
+    shared = public / "shared.safetensors"
+    save_file(state(3), str(shared))
+    shared.chmod(0o644)
+    made = not os.path.isdir(os.path.dirname(ROOT_SOCKET))
+    os.makedirs(os.path.dirname(ROOT_SOCKET), mode=0o755, exist_ok=True)
+    directory, _ = cache_places("rootsock")
+    environment = {
+        name: value for name, value in os.environ.items() if name not in ("WEIGHTSTREAM_CACHE", "XDG_RUNTIME_DIR")
+    }
+    try:
+        with Daemon(directory, Path(ROOT_SOCKET), "--group", str(GROUP)):
+            said = {}
+            for who, groups in (("member", (GROUP,)), ("outsider", ())):
+                command = as_user([sys.executable, "-c", LOAD, str(shared), "auto", "{}"], NOBODY, NOBODY, groups)
+                result = subprocess.run(
+                    command, capture_output=True, text=True, cwd="/", timeout=120, check=False, env=environment
+                )
+                assert result.returncode == 0, result.stderr[-3000:]
+                said[who] = (json.loads(result.stdout.strip().splitlines()[-1]), result.stderr)
+                assert said[who][0] == {"sums": sums(state(3))}, said
+            stats = request(Path(ROOT_SOCKET), {"op": "stats"})
+    finally:
+        remove(directory, Path(ROOT_SOCKET))
+        if made:
+            os.rmdir(os.path.dirname(ROOT_SOCKET))
+    assert stats["fills"] == 1, "the member did not load through root's daemon"
+    assert stats["hits"] + stats["fills"] == 1, "the outsider loaded through the daemon"
+    assert "not in the daemon's group" in said["outsider"][1] and "reading from the source" in said["outsider"][1]

@@ -28,6 +28,8 @@ OWNER_ENVIRONMENT = "WEIGHTSTREAM_CACHE_UID"
 """The variable naming a daemon's user (besides this process's own and root) whose bytes a client accepts."""
 PEER_CREDENTIALS = struct.Struct("3i")
 CONNECT_TIMEOUT_S = 5.0
+ROOT_SOCKET = "/run/weightstream/cache.sock"
+"""Where root's daemon listens by default: the node's own, which members of its ``--group`` use without naming it."""
 ANSWER_TIMEOUT_S = 3600.0
 """An attach waits for a fill, which may read a large file from a slow store."""
 
@@ -46,8 +48,19 @@ def default_socket() -> str:
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "weightstream-cache.sock")
     if os.getuid() == 0:
-        return "/run/weightstream/cache.sock"
+        return ROOT_SOCKET
     return f"/tmp/weightstream-{os.getuid()}/cache.sock"
+
+
+def own_socket() -> str:
+    """Where this user's daemon listens unless told otherwise: ``$WEIGHTSTREAM_CACHE``, else :func:`default_socket`
+    (a daemon never takes root's socket as a client may).
+
+    Example:
+        >>> own_socket().endswith(".sock")
+        True
+    """
+    return os.environ.get(ENVIRONMENT) or default_socket()
 
 
 def trusted_uids() -> set[int]:
@@ -72,14 +85,22 @@ def trusted_uids() -> set[int]:
 
 
 def resolve_socket(cache: str) -> tuple[str, bool]:
-    """The socket ``cache`` names and whether it was asked for explicitly (``"auto"`` is not).
+    """The socket ``cache`` names and whether it was asked for explicitly (``"auto"`` is not): for ``"auto"``,
+    ``$WEIGHTSTREAM_CACHE``, else this user's default socket, else (where that does not exist) root's, the node's
+    daemon, whose ``--group`` members use it so.
 
     Example:
         >>> resolve_socket("/run/ws.sock")
         ('/run/ws.sock', True)
     """
     if cache == "auto":
-        return os.environ.get(ENVIRONMENT) or default_socket(), False
+        named = os.environ.get(ENVIRONMENT)
+        if named:
+            return named, False
+        own = own_socket()
+        if not os.path.lexists(own) and os.path.lexists(ROOT_SOCKET):  # the node's daemon, run as root (--group)
+            return ROOT_SOCKET, False
+        return own, False
     return cache, True
 
 
@@ -189,7 +210,8 @@ def _connect(path: str) -> socket.socket:
 
     Raises:
         CacheUnavailableError: nothing listens there.
-        CacheRefusedError: another user listens there (a socket squatted before the daemon started).
+        CacheRefusedError: another user listens there (a socket squatted before the daemon started), or this user
+            may not connect (not in the daemon's group: the message says whose the socket is).
     """
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     connection.settimeout(CONNECT_TIMEOUT_S)
@@ -199,6 +221,9 @@ def _connect(path: str) -> socket.socket:
             connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEER_CREDENTIALS.size)
         )
         trusted = trusted_uids()
+    except PermissionError as error:
+        connection.close()
+        raise CacheRefusedError(f"{path}: {_not_allowed(path, error)}") from error
     except OSError as error:
         connection.close()
         reason = "no such socket" if error.errno == errno.ENOENT else (error.strerror or str(error))
@@ -214,6 +239,39 @@ def _connect(path: str) -> socket.socket:
         )
     connection.settimeout(ANSWER_TIMEOUT_S)
     return connection
+
+
+def _not_allowed(path: str, error: OSError) -> str:
+    """Why this user may not connect to the socket at ``path`` (its owner, group and mode, or its directory's)."""
+    for place in (path, os.path.dirname(path)):
+        try:
+            status = os.stat(place)
+        except OSError:
+            continue
+        if place == path or not os.access(place, os.X_OK):
+            return (
+                f"a cache daemon's socket, but uid {os.getuid()} may not connect ({error.strerror}): not in the "
+                f"daemon's group ({'the socket' if place == path else 'its directory ' + place} is "
+                f"{_user(status.st_uid)}:{_group(status.st_gid)}, mode {status.st_mode & 0o7777:o}); ask to be added "
+                "to that group, or run a daemon of your own"
+            )
+    return f"this user may not connect ({error.strerror})"
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _group(gid: int) -> str:
+    import grp
+
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
 
 
 def _closed_by_peer(connection: socket.socket) -> bool:
@@ -250,13 +308,20 @@ def connect(cache: str) -> CacheClient | None:
     path, explicit = resolve_socket(cache)
     try:
         return CacheClient(path)
+    except CacheRefusedError as error:
+        if explicit or not isinstance(error.__cause__, PermissionError):
+            raise
+        log.warning("cache='auto': %s; reading from the source", error)
+        return None
     except CacheUnavailableError as error:
         if explicit:
             raise
         # No socket is the usual case on a machine without the daemon: said only at DEBUG. Anything else (a
         # stale socket of a daemon that died, one that does not answer) is a warning at every load: the node is
         # meant to have a cache and every load now reads its source.
-        level = logging.DEBUG if isinstance(error.__cause__, FileNotFoundError) else logging.WARNING
+        # One $WEIGHTSTREAM_CACHE names that is not there is said at INFO: someone configured it.
+        absent = isinstance(error.__cause__, FileNotFoundError)
+        level = (logging.INFO if os.environ.get(ENVIRONMENT) else logging.DEBUG) if absent else logging.WARNING
         log.log(level, "cache='auto': %s; reading from the source", error)
         return None
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from weightstream.arguments import add_storage_arguments, storage_options
 from weightstream.errors import CacheConfigError, CacheError, redact
-from weightstream.nodecache.connection import ENVIRONMENT, default_socket, resolve_socket
+from weightstream.nodecache.connection import ENVIRONMENT, default_socket, own_socket
 from weightstream.nodecache.daemon.directory import default_directory, in_use
 from weightstream.nodecache.daemon.endpoint import socket_directory
 from weightstream.nodecache.daemon.limits import clamp_budget
@@ -158,7 +158,7 @@ def _add_socket(parser: argparse.ArgumentParser) -> None:
 
 
 def _socket(args: argparse.Namespace) -> str:
-    return resolve_socket(args.socket or "auto")[0]
+    return args.socket or own_socket()
 
 
 def _seconds(text: str) -> float:
