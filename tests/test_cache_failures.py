@@ -72,6 +72,10 @@ def test_a_failing_fill_gives_every_client_the_sources_error_once_and_frees_its_
         assert len(errors) == 3 and all(isinstance(error, AccessDeniedError) for error in errors), errors
         assert len({str(error) for error in errors}) == 1
         assert re.search(r"model\.safetensors.*: access denied \(HTTP 403", str(errors[0])), errors[0]
+        assert str(errors[0]).endswith(
+            f"(read by the cache daemon at {daemon.socket}, with the daemon's own environment and credentials unless "
+            "storage_options sent this process's)"
+        ), errors[0]
         ranges = [line for line in server.requests if line.startswith("GET") and "bytes=" in line]
         first_bytes = [int(re.search(r"bytes=(\d+)-", line)[1]) for line in ranges]
         fill_ranges = [start for start in first_bytes if start % (8 << 20) == 0 and start > 0]

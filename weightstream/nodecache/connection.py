@@ -154,7 +154,15 @@ class CacheClient:
         descriptor, its path made absolute (the daemon has a working directory of its own)."""
         uri = daemon_uri(str(message["uri"]))
         if "://" in uri:
-            return self.request(message)
+            try:
+                return self.request(message)
+            except errors.SourceError as error:  # its message names the object; say who read it, and as whom
+                said = (
+                    f"{error} (read by the cache daemon at {self.path}, with the daemon's own environment and "
+                    "credentials unless storage_options sent this process's)"
+                )
+                error.args = (said, *error.args[1:])
+                raise
         fd, _ = open_regular(uri)
         try:
             return self.request({**message, "uri": uri}, (fd,))
