@@ -54,6 +54,24 @@ def test_inspect_text(checkpoint: Path, tiny_state):
     assert f"{len(tiny_state)} tensors" in result.stdout
 
 
+def test_inspect_of_a_tensor_parallel_state_describes_every_rank(checkpoint: Path, tmp_path: Path, tiny_state):
+    """A directory ``convert --tp 2`` wrote: without ``--rank``, each rank's files and tensors and the total."""
+    converted = cli("convert", str(checkpoint), str(tmp_path / "tp2"), "--to", "sharded-state", "--tp", "2")
+    assert converted.returncode == 0, converted.stderr
+    text = cli("inspect", str(tmp_path / "tp2"))
+    assert text.returncode == 0, text.stderr
+    assert re.search(r"^rank 0:$", text.stdout, re.MULTILINE) and re.search(r"^rank 1:$", text.stdout, re.MULTILINE)
+    report = json.loads(cli("inspect", str(tmp_path / "tp2"), "--json").stdout)
+    assert [rank["rank"] for rank in report["ranks"]] == [0, 1]
+    assert report["total_bytes"] == sum(rank["total_bytes"] for rank in report["ranks"])
+    assert all({t["name"] for t in rank["tensors"]} == set(tiny_state) for rank in report["ranks"])
+    assert re.search(
+        rf"^2 ranks, {2 * len(tiny_state)} tensors, {report['total_bytes']} bytes", text.stdout, re.MULTILINE
+    )
+    one = json.loads(cli("inspect", str(tmp_path / "tp2"), "--rank", "1", "--json").stdout)
+    assert "ranks" not in one and one["total_bytes"] == report["ranks"][1]["total_bytes"]
+
+
 def test_load_json(checkpoint: Path, tiny_state):
     result = cli("load", str(checkpoint), "--json", "--threads", "2")
     assert result.returncode == 0, result.stderr

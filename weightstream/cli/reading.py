@@ -13,6 +13,7 @@ import time
 import weightstream
 from weightstream.arguments import add_storage_arguments, parse_rank, positive, storage_options
 from weightstream.errors import InvalidOptionError
+from weightstream.planning.plan import LoadPlan
 from weightstream.progress import ProgressBar
 from weightstream.terminal import printable
 
@@ -154,30 +155,73 @@ def _selects(pattern: str, name: str) -> bool:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    ranks = _ranks_to_describe(args)
+    if not ranks:
+        with weightstream.open(args.uri, args.format, **source_options(args), **_rank_options(args)) as checkpoint:
+            plans = [(None, checkpoint.plan)]
+    else:  # a sharded state of several ranks, no --rank: every rank's files
+        plans = []
+        for rank in ranks:
+            with weightstream.open(args.uri, "sharded-state", rank=rank, **source_options(args)) as checkpoint:
+                plans.append((rank, checkpoint.plan))
+    total = sum(plan.total_bytes for _, plan in plans)
+    if args.json:
+        described = [_plan_json(plan) for _, plan in plans]
+        if ranks:
+            each = [
+                {"rank": list(rank) if isinstance(rank, tuple) else rank, **one}
+                for rank, one in zip(ranks, described, strict=True)
+            ]
+            document = {"uri": args.uri, "total_bytes": total, "ranks": each}
+        else:
+            document = {"uri": args.uri, **described[0]}
+        print(json.dumps(document, indent=2))
+        return 0
+    for rank, plan in plans:
+        if rank is not None:
+            print(f"rank {'.'.join(map(str, rank)) if isinstance(rank, tuple) else rank}:")
+        _print_plan(plan)
+    if ranks:
+        tensors = sum(len(plan.tensors) for _, plan in plans)
+        print(f"{len(ranks)} ranks, {tensors} tensors, {total} bytes ({total / 2**30:.3f} GiB)")
+    return 0
+
+
+def _ranks_to_describe(args: argparse.Namespace) -> list[object]:
+    """The ranks of a sharded-state directory of more than one rank, where no ``--rank`` picks one; else []."""
+    if args.rank is not None or args.world_size is not None or args.format not in ("auto", "sharded-state"):
+        return []
+    from weightstream.loaders.sharded_state import saved_ranks
+    from weightstream.sources import store_for
+
+    with contextlib.closing(store_for(args.uri, **source_options(args))) as store:
+        ranks = saved_ranks(store, args.uri)
+    return ranks if len(ranks) > 1 else []
+
+
+def _plan_json(plan: LoadPlan) -> dict[str, object]:
     from weightstream.formats.safetensors import DTYPE_NAMES
 
-    with weightstream.open(args.uri, args.format, **source_options(args), **_rank_options(args)) as checkpoint:
-        plan = checkpoint.plan
-    if args.json:
-        files = [
-            {"path": f.path, "size": f.size, "data_offset": f.data_offset, "metadata": dict(f.metadata)}
-            for f in plan.files
-        ]
-        tensors = [
-            {
-                "name": t.name,
-                "dtype": DTYPE_NAMES[t.dtype],
-                "shape": list(t.shape),
-                "nbytes": t.nbytes,
-                "file": t.file,
-                "offset": t.offset,
-            }
-            for t in plan.tensors
-        ]
-        print(
-            json.dumps({"uri": args.uri, "total_bytes": plan.total_bytes, "files": files, "tensors": tensors}, indent=2)
-        )
-        return 0
+    files = [
+        {"path": f.path, "size": f.size, "data_offset": f.data_offset, "metadata": dict(f.metadata)} for f in plan.files
+    ]
+    tensors = [
+        {
+            "name": t.name,
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "nbytes": t.nbytes,
+            "file": t.file,
+            "offset": t.offset,
+        }
+        for t in plan.tensors
+    ]
+    return {"total_bytes": plan.total_bytes, "files": files, "tensors": tensors}
+
+
+def _print_plan(plan: LoadPlan) -> None:
+    from weightstream.formats.safetensors import DTYPE_NAMES
+
     for spec in plan.files:
         count = sum(1 for t in plan.tensors if t.file == spec.path)
         metadata = ", ".join(f"{printable(key)}: {printable(value)}" for key, value in spec.metadata.items())
@@ -187,8 +231,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{'name':{width}s}  {'dtype':11s} {'shape':22s} {'bytes':>12s}")
     for name, t in zip(names, plan.tensors, strict=True):
         print(f"{name:{width}s}  {DTYPE_NAMES[t.dtype]:11s} {list(t.shape)!s:22s} {t.nbytes:12d}")
-    print(f"{len(plan.tensors)} tensors, {plan.total_bytes} bytes ({plan.total_bytes / 2**30:.3f} GiB)")
-    return 0
+    total = plan.total_bytes
+    print(f"{len(plan.tensors)} tensors, {total} bytes ({total / 2**30:.3f} GiB)")
 
 
 def _load_options(args: argparse.Namespace) -> dict[str, object]:

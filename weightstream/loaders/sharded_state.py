@@ -198,13 +198,7 @@ def _only_rank(store: Store, uri: str, names: set[str], opts: ShardedStateOption
             manifest = _read_manifest(store, store.join(uri, manifest_name(single)))
             if manifest.world_size == world:
                 return single
-    ranks = set()
-    for pattern in (
-        [ShardPattern(opts.shard_pattern)]
-        if opts.shard_pattern
-        else [ShardPattern(DEFAULT_PATTERN), ShardPattern(PP_PATTERN)]
-    ):
-        ranks |= {parsed[0] for parsed in map(pattern.parse, names) if parsed is not None}
+    ranks = _ranks_in(names, opts)
     if len(ranks) == 1 and next(iter(ranks)) in (0, (0, 0)):
         return next(iter(ranks))
     shown = ", ".join(describe(rank) for rank in sorted(ranks, key=str)[:4]) or "none"
@@ -212,6 +206,35 @@ def _only_rank(store: Store, uri: str, names: set[str], opts: ShardedStateOption
         f"{uri}: the sharded-state loader reads one rank's files (ranks here: {shown}): pass rank= (and world_size=), "
         "or initialise torch.distributed"
     )
+
+
+def saved_ranks(store: Store, uri: str, opts: ShardedStateOptions | None = None) -> list[Rank]:
+    """The ranks whose files the directory ``uri`` holds, in order; ``[]`` where ``uri`` is no directory ``store``
+    can list.
+
+    Example:
+        >>> saved_ranks(store_for("model-tp2/"), "model-tp2/")  # doctest: +SKIP
+        [0, 1]
+    """
+    if not store.lists or not store.is_dir(uri):
+        return []
+    return sorted(_ranks_in(set(store.list_names(uri)), opts or ShardedStateOptions()), key=_rank_order)
+
+
+def _rank_order(rank: Rank) -> tuple[int, ...]:
+    return rank if isinstance(rank, tuple) else (rank,)
+
+
+def _ranks_in(names: set[str], opts: ShardedStateOptions) -> set[Rank]:
+    """The ranks whose files are among ``names`` (by the shard pattern asked for, else both default ones)."""
+    ranks: set[Rank] = set()
+    for pattern in (
+        [ShardPattern(opts.shard_pattern)]
+        if opts.shard_pattern
+        else [ShardPattern(DEFAULT_PATTERN), ShardPattern(PP_PATTERN)]
+    ):
+        ranks |= {parsed[0] for parsed in map(pattern.parse, names) if parsed is not None}
+    return ranks
 
 
 def _check_rank_shape(value: object, what: str) -> None:
