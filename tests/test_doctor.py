@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.cache_daemon import Daemon, remove
 from tests.cache_daemon import places as cache_places
@@ -64,6 +67,23 @@ def test_every_check_reports_and_secrets_stay_secret(tmp_path: Path):
         assert secret not in result.stdout and secret not in result.stderr
     assert found["cache_daemon"]["status"] == "note" and "none.sock: no such socket" in found["cache_daemon"]["detail"]
     assert list(tmp_path.iterdir()) == [home], "the O_DIRECT probe left its temporary file"
+
+
+def test_o_direct_of_a_directory_on_a_file_of_its_own_and_missing_extras_name_their_install(tmp_path: Path):
+    """A directory holding a checkpoint: the probe reads a file it made there (and removed), never the checkpoint;
+    a missing optional library says which extra installs it."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0" * 8192)
+    found = findings(doctor(str(tmp_path), "--json"))
+    assert found["o_direct"]["detail"].startswith(f"{tmp_path} (a file of its own there): "), found["o_direct"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model.safetensors"]
+    absent = [finding for finding in found.values() if finding["detail"].startswith("not installed")]
+    if not absent:
+        pytest.skip("every optional library is installed here")
+    for finding in absent:
+        assert re.search(
+            r": (pip install 'weightstream\[\w+\]'|see docs/engines\.md for its install)$", finding["detail"]
+        )
 
 
 def test_o_direct_of_a_file_and_of_nothing(tmp_path: Path):

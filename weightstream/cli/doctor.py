@@ -26,19 +26,21 @@ OK, NOTE, PROBLEM = "ok", "note", "problem"
 ALIGNMENT = 4096
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 LIBRARIES = (
-    ("botocore", "s3://"),
-    ("fsspec", "gs:// and az://"),
-    ("gcsfs", "gs://"),
-    ("adlfs", "az://"),
-    ("azure-storage-blob", "az://"),
-    ("cuda-bindings", "pinned memory, CUDA staging, GDS, the cache's GPU tier"),
-    ("safetensors", "the safetensors peer in bench"),
-    ("runai-model-streamer", "the Run:ai peer in bench"),
-    ("fastsafetensors", "the fastsafetensors peer in bench"),
-    ("vllm", "--load-format weightstream in vLLM"),
-    ("sglang", "--load-format weightstream in SGLang"),
+    ("botocore", "s3://", "s3"),
+    ("fsspec", "gs:// and az://", "gcs"),
+    ("gcsfs", "gs://", "gcs"),
+    ("adlfs", "az://", "azure"),
+    ("azure-storage-blob", "az://", "azure"),
+    ("cuda-bindings", "pinned memory, CUDA staging, GDS, the cache's GPU tier", "cuda"),
+    ("nixl-cu12", "the node cache's fleet (--fleet)", "fleet"),
+    ("safetensors", "the safetensors peer in bench", "bench"),
+    ("runai-model-streamer", "the Run:ai peer in bench", "bench"),
+    ("fastsafetensors", "the fastsafetensors peer in bench", "bench"),
+    ("vllm", "--load-format weightstream in vLLM", None),
+    ("sglang", "--load-format weightstream in SGLang", None),
 )
-"""Optional distributions, and what each gives."""
+"""Optional distributions, what each gives, and the extra of weightstream's that installs it (None: an engine, which
+brings its own torch: docs/engines.md)."""
 CREDENTIAL_PLACES: dict[str, tuple[tuple[str, str], ...]] = {
     "s3": (
         ("env", "AWS_ACCESS_KEY_ID"),
@@ -181,28 +183,32 @@ def _cuda_python() -> Iterator[Finding]:
 
 
 def _direct_io(path: str) -> Iterator[Finding]:
-    """Whether ``path`` (a file, or a file in a directory) reads with O_DIRECT: an aligned 4 KiB read of a file
-    there, or of a temporary file made there and removed."""
+    """Whether ``path`` (a file, or a directory) reads with O_DIRECT: an aligned 4 KiB read of that file, or of a
+    file of the doctor's own made in that directory and removed (a checkpoint there is not read), else of the
+    smallest file there when the directory cannot be written."""
     target = os.path.abspath(path)
     if not os.path.exists(target):
         yield Finding("o_direct", PROBLEM, f"{target}: no such file or directory")
         return
-    candidate = target if os.path.isfile(target) else _some_file(target)
-    made = None
-    if candidate is None:
-        try:
-            descriptor, made = tempfile.mkstemp(prefix=".weightstream-doctor-", dir=target)
-        except OSError as error:
+    if os.path.isfile(target):
+        yield _read_direct(target)
+        return
+    try:
+        descriptor, made = tempfile.mkstemp(prefix=".weightstream-doctor-", dir=target)
+    except OSError as error:
+        existing = _some_file(target)
+        if existing is None:
             yield Finding("o_direct", NOTE, f"{target}: holds no file to read and none can be made ({error.strerror})")
-            return
+        else:
+            yield _read_direct(existing)
+        return
+    try:
         with os.fdopen(descriptor, "wb") as file:
             file.write(b"\0" * ALIGNMENT)
-        candidate = made
-    try:
-        yield _read_direct(candidate)
+        finding = _read_direct(made)
     finally:
-        if made is not None:
-            os.unlink(made)
+        os.unlink(made)
+    yield dataclasses.replace(finding, detail=finding.detail.replace(made, f"{target} (a file of its own there)"))
 
 
 def _some_file(directory: str) -> str | None:
@@ -259,10 +265,11 @@ def _huge_pages() -> Iterator[Finding]:
 
 
 def _libraries() -> Iterator[Finding]:
-    for distribution, gives in LIBRARIES:
+    for distribution, gives, extra in LIBRARIES:
         version = _version(distribution)
         if version is None:
-            yield Finding(distribution, NOTE, f"not installed (for {gives})")
+            how = f"pip install 'weightstream[{extra}]'" if extra else "see docs/engines.md for its install"
+            yield Finding(distribution, NOTE, f"not installed (for {gives}): {how}")
             continue
         minimum = MINIMUM_VERSIONS.get(distribution)
         if minimum is not None and release(version) < release(minimum):
