@@ -432,6 +432,31 @@ def test_cli_ls_for_people(tmp_path, daemon):
     assert "\x1b" not in "".join(listed)
 
 
+def test_a_load_says_whether_it_went_through_the_cache(tmp_path, daemon):
+    """``load --cache``: the summary line and ``--json`` say how many files the daemon held and how many it filled
+    for the load; ``--cache auto`` with no daemon says it was not used, and why; the API's ``stats.cache`` too."""
+    uri = str(save_hf_sharded(state(), tmp_path / "ckpt", shards=2))
+
+    def load(*arguments: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "weightstream.cli", "load", uri, *arguments]
+        environment = {**os.environ, **(env or {})}
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=environment)
+
+    files = len(list(Path(uri).iterdir()))  # two shards and their index, each a segment
+    first = load("--cache", str(daemon.socket))
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip().endswith(f"; through the node cache: 0 files found there, {files} filled"), first.stdout
+    again = json.loads(load("--cache", str(daemon.socket), "--json").stdout)
+    assert again["cache"] == {"used": True, "hit": files, "filled": 0}
+    absent = load("--cache", "auto", "--json", env={"WEIGHTSTREAM_CACHE": str(tmp_path / "none.sock")})
+    assert json.loads(absent.stdout)["cache"] == {
+        "used": False,
+        "why": f"no weightstream cache daemon at {tmp_path / 'none.sock'}: no such socket",
+    }
+    with weightstream.open(uri) as checkpoint:
+        assert checkpoint.stats.cache == {}
+
+
 def test_cli_stats_for_people(tmp_path, daemon):
     """``cache stats`` without ``--json``: sizes in GiB as ``ls`` gives them, words where JSON says null or false."""
     save_file(state(), str(tmp_path / "model.safetensors"))

@@ -86,7 +86,7 @@ def test_through_the_node_cache(tmp_path: Path, no_leaks):
     through it is refused as what it is, not as "an object"."""
     save_file({"w": torch.arange(6, dtype=torch.float32)}, str(tmp_path / "model.safetensors"))
     with running_daemon("destination") as daemon:
-        client = connect(str(daemon.socket))
+        client, _ = connect(str(daemon.socket))
         with contextlib.closing(CachedStore(LocalStore(), client, None)) as store:
             assert isinstance(store, SharedMemory) and isinstance(store, Mapped) and not isinstance(store, DirectIO)
             uri = str(tmp_path / "model.safetensors")

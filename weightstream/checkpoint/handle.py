@@ -46,6 +46,10 @@ class CheckpointStats:
     """Bytes of the checkpoint read for them: ``tensor_bytes``, and what slices read between their elements."""
     wait_seconds: float = 0.0
     """Time callers spent waiting for tensors (inside ``get_tensor``, ``get_slice`` and the iterators)."""
+    cache: dict[str, object] = dataclasses.field(default_factory=dict)
+    """Whether it read through the node cache: ``{}`` where no ``cache=`` was asked for; ``{"used": True, "hit": N,
+    "filled": M}`` (files the daemon held, and files it read for this checkpoint); ``{"used": False, "why": ...}``
+    where ``cache="auto"`` found no daemon it could use."""
     copy_routes: dict[str, int] = dataclasses.field(default_factory=dict)
     """Through the node cache to a GPU: files by where their copies read, ``device-copy`` (the daemon's copy on
     that GPU), ``page-locked`` (host segments locked in place) or ``staging-ring`` (a driver that cannot lock
@@ -67,7 +71,15 @@ class Checkpoint:
         ...         model[name].copy_(tensor)
     """
 
-    def __init__(self, loader: Loader, store: Store, plan: LoadPlan, opts: LoadOptions, plan_seconds: float) -> None:
+    def __init__(
+        self,
+        loader: Loader,
+        store: Store,
+        plan: LoadPlan,
+        opts: LoadOptions,
+        plan_seconds: float,
+        cache_not_used: str | None = None,
+    ) -> None:
         self._loader = loader
         self._store = store
         self._plan = plan
@@ -78,6 +90,7 @@ class Checkpoint:
         self._reads: weakref.WeakSet[TrackedReads[Any]] = weakref.WeakSet()
         self._stats = CheckpointStats(plan_seconds=plan_seconds)
         self._finalizer = weakref.finalize(self, _close_quietly, store)
+        self._cache_not_used = cache_not_used
 
     @property
     def uri(self) -> str:
@@ -109,6 +122,9 @@ class Checkpoint:
             done = dataclasses.replace(self._stats)
         if isinstance(self._store, CachedStore):
             done.copy_routes = self._store.copy_routes()
+            done.cache = {"used": True, **self._store.attached()}
+        elif self._opts.cache is not None:
+            done.cache = {"used": False, "why": self._cache_not_used or "no daemon"}
         return done
 
     @property

@@ -83,8 +83,9 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
     chosen = None if format == AUTO else _checked_loader(format, opts, own)
     store, location = locate(uri, opts.storage_options, opts.retry_policy())
     try:
+        cache_not_used = None
         if opts.cache is not None:
-            store = _through_cache(store, opts)
+            store, cache_not_used = _through_cache(store, opts)
         loader, opts = chosen or _checked_loader(_fitting(_automatic_format(store, location), own), opts, own)
         plan = loader.plan(store, location, opts)
         if not isinstance(plan, LoadPlan):
@@ -95,7 +96,7 @@ def open(uri: str | os.PathLike[str], format: str = AUTO, **options: object) -> 
     except BaseException:
         store.close()
         raise
-    return Checkpoint(loader, store, plan, opts, time.perf_counter() - started)
+    return Checkpoint(loader, store, plan, opts, time.perf_counter() - started, cache_not_used)
 
 
 def _automatic_format(store: Store, location: str) -> str:
@@ -126,14 +127,15 @@ def _fitting(automatic: str, own: Mapping[str, object]) -> str:
     return twin
 
 
-def _through_cache(store: Store, opts: LoadOptions) -> Store:
-    """``store`` read through the node cache ``opts.cache`` names (``store`` itself for ``"auto"`` without a daemon)."""
+def _through_cache(store: Store, opts: LoadOptions) -> tuple[Store, str | None]:
+    """``store`` read through the node cache ``opts.cache`` names; for ``"auto"`` without a daemon it can use,
+    ``store`` itself and why."""
     from weightstream.nodecache.client import CachedStore
     from weightstream.nodecache.connection import connect
 
-    client = connect(str(opts.cache))
+    client, why_not = connect(str(opts.cache))
     if client is None:
-        return store
+        return store, why_not
     copy_sources = None
     if torch.device(opts.device).type == "cuda":
         from weightstream.memory.devices import check_destination
@@ -145,7 +147,7 @@ def _through_cache(store: Store, opts: LoadOptions) -> Store:
         except BaseException:
             client.close()
             raise
-    return CachedStore(store, client, opts.storage_options, copy_sources)
+    return CachedStore(store, client, opts.storage_options, copy_sources), None
 
 
 def _checked_loader(format: str, opts: LoadOptions, own: Mapping[str, object]) -> tuple[Loader, LoadOptions]:

@@ -13,6 +13,7 @@ import time
 import weightstream
 from weightstream.arguments import add_storage_arguments, parse_rank, positive, storage_options
 from weightstream.errors import InvalidOptionError
+from weightstream.formats.sharded_state import Rank
 from weightstream.planning.plan import LoadPlan
 from weightstream.progress import ProgressBar
 from weightstream.terminal import printable
@@ -158,7 +159,7 @@ def _inspect(args: argparse.Namespace) -> int:
     ranks = _ranks_to_describe(args)
     if not ranks:
         with weightstream.open(args.uri, args.format, **source_options(args), **_rank_options(args)) as checkpoint:
-            plans = [(None, checkpoint.plan)]
+            plans: list[tuple[Rank | None, LoadPlan]] = [(None, checkpoint.plan)]
     else:  # a sharded state of several ranks, no --rank: every rank's files
         plans = []
         for rank in ranks:
@@ -177,9 +178,9 @@ def _inspect(args: argparse.Namespace) -> int:
             document = {"uri": args.uri, **described[0]}
         print(json.dumps(document, indent=2))
         return 0
-    for rank, plan in plans:
-        if rank is not None:
-            print(f"rank {'.'.join(map(str, rank)) if isinstance(rank, tuple) else rank}:")
+    for whose, plan in plans:
+        if whose is not None:
+            print(f"rank {'.'.join(map(str, whose)) if isinstance(whose, tuple) else whose}:")
         _print_plan(plan)
     if ranks:
         tensors = sum(len(plan.tensors) for _, plan in plans)
@@ -187,14 +188,16 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ranks_to_describe(args: argparse.Namespace) -> list[object]:
+def _ranks_to_describe(args: argparse.Namespace) -> list[Rank]:
     """The ranks of a sharded-state directory of more than one rank, where no ``--rank`` picks one; else []."""
     if args.rank is not None or args.world_size is not None or args.format not in ("auto", "sharded-state"):
         return []
     from weightstream.loaders.sharded_state import saved_ranks
     from weightstream.sources import store_for
 
-    with contextlib.closing(store_for(args.uri, **source_options(args))) as store:
+    with contextlib.closing(
+        store_for(args.uri, storage_options(args.storage_option, args.storage_options_file))
+    ) as store:
         ranks = saved_ranks(store, args.uri)
     return ranks if len(ranks) > 1 else []
 
@@ -282,12 +285,24 @@ def _load(args: argparse.Namespace) -> int:
         "gbps": nbytes / seconds / 1e9,
         "first_tensor_seconds": first,
     }
+    cache = checkpoint.stats.cache
+    if cache:
+        result["cache"] = cache
     return report(
         args.json,
         result,
         f"loaded {count} tensors, {nbytes / 2**30:.3f} GiB in {seconds:.3f} s: {result['gbps']:.2f} GB/s "
-        f"(first tensor after {1000 * (first or 0):.0f} ms) with the {checkpoint.format} loader",
+        f"(first tensor after {1000 * (first or 0):.0f} ms) with the {checkpoint.format} loader" + _cache_said(cache),
     )
+
+
+def _cache_said(cache: dict[str, object]) -> str:
+    """The node cache's part in a load, for its summary line ("" where no ``--cache`` was given)."""
+    if not cache:
+        return ""
+    if not cache["used"]:
+        return f"; the node cache was not used: {cache['why']}"
+    return f"; through the node cache: {cache['hit']} files found there, {cache['filled']} filled"
 
 
 def report(as_json: bool, result: dict, text: str) -> int:

@@ -35,11 +35,14 @@ from weightstream.errors import (
     DeviceUnavailableError,
     SourceChangedError,
     TruncatedFileError,
+    logger,
 )
 from weightstream.nodecache.connection import CacheClient
 from weightstream.nodecache.protocol import HEAD_BYTES, close_all, head_digest
 from weightstream.sources.base import Source, Store
 from weightstream.sources.http.store import HttpStore
+
+log = logger(__name__)
 
 
 class CopySources(Protocol):
@@ -68,6 +71,8 @@ class CachedStore:
         self.inner = inner
         self.client = client
         self.lists = inner.lists
+        self._attached: dict[str, bool] = {}
+        """Each file attached, and whether the daemon filled it for this store (else it held it already)."""
         self._copy_sources = copy_sources
         # An HTTP store (the Hub's among them) says what recreates its reads: its headers, a token for the Hub only.
         options = inner.storage_options() if isinstance(inner, HttpStore) else storage_options
@@ -108,6 +113,11 @@ class CachedStore:
         (declares :class:`~weightstream.sources.base.SharedMemory`)."""
         return self._attach(uri, size, version)
 
+    def attached(self) -> dict[str, int]:
+        """Files this store attached: ``hit`` (the daemon held them), ``filled`` (it read them for this load)."""
+        filled = sum(self._attached.values())
+        return {"hit": len(self._attached) - filled, "filled": filled}
+
     def copy_routes(self) -> dict[str, int]:
         """Files of a CUDA load by where their copies read (see :class:`CopySources`); empty for other loads."""
         return {} if self._copy_sources is None else dict(self._copy_sources.routes)
@@ -137,6 +147,9 @@ class CachedStore:
                 f"was planned"
             )
         self._segments[uri] = segment
+        filled = answer.get("filled") is True
+        self._attached[uri] = filled
+        log.info("cache: %s %s the node cache at %s", uri, "filled into" if filled else "found in", self.client.path)
         return segment
 
     def device_copy(self, segment: SegmentSource, uuid: str) -> tuple[int, int]:

@@ -307,20 +307,21 @@ def find_daemon(cache: str) -> str:
     return path
 
 
-def connect(cache: str) -> CacheClient | None:
-    """A client of the daemon ``cache`` names, or None for ``"auto"`` when no daemon listens (logged once).
+def connect(cache: str) -> tuple[CacheClient | None, str | None]:
+    """A client of the daemon ``cache`` names, or, for ``"auto"`` when none can be used, None and why (logged).
 
     Raises:
         CacheUnavailableError: an explicitly named socket has no daemon.
+        CacheRefusedError: an explicitly named socket is another user's, or this user may not connect to it.
     """
     path, explicit = resolve_socket(cache)
     try:
-        return CacheClient(path)
+        return CacheClient(path), None
     except CacheRefusedError as error:
         if explicit or not isinstance(error.__cause__, PermissionError):
             raise
         log.warning("cache='auto': %s; reading from the source", error)
-        return None
+        return None, str(error)
     except CacheUnavailableError as error:
         if explicit:
             raise
@@ -331,7 +332,7 @@ def connect(cache: str) -> CacheClient | None:
         absent = isinstance(error.__cause__, FileNotFoundError)
         level = (logging.INFO if os.environ.get(ENVIRONMENT) else logging.DEBUG) if absent else logging.WARNING
         log.log(level, "cache='auto': %s; reading from the source", error)
-        return None
+        return None, str(error)
 
 
 def _typed_error(answer: Mapping[str, object], path: str) -> Exception:

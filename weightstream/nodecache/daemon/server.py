@@ -327,6 +327,7 @@ class CacheDaemon:
                             "version": segment.version,
                             "head_sha256": segment.head_sha256,
                             "gpus": [] if self.devices is None else self.devices.uuids,
+                            "filled": filled,
                         },
                         fd,
                     )
