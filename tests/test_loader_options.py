@@ -4,6 +4,7 @@ the other loaders, given to a third-party loader like to a built-in, and listed 
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -100,15 +101,28 @@ def test_the_other_loaders_refuse_a_third_party_option(scaled_loader, checkpoint
 def test_an_option_no_loader_knows_is_refused_before_any_io(tmp_path, no_leaks):
     with pytest.raises(
         OptionError,
-        match=r"unknown option\(s\) prefetch_layer; known options: .*max_inflight_bytes, .*zero_copy; did you mean "
-        r"prefetch_layers \(an option of format='layered'\)\?$",
+        match=r"unknown option\(s\) prefetch_layer; known options: .*zero_copy; options of the loaders format='auto' "
+        r"picks from \(safetensors, streaming, sharded-state\): max_inflight_bytes, rank, shard_pattern, verify, "
+        r"world_size; did you mean prefetch_layers \(an option of format='layered'\)\?$",
     ):
         weightstream.load_weights(tmp_path / "absent", prefetch_layer=2)
 
 
 def test_an_unknown_option_for_a_named_loader_lists_its_options(scaled_loader, checkpoint):
-    with pytest.raises(OptionError, match=r"unknown option\(s\) scale; known options:"):
+    with pytest.raises(OptionError, match=r"unknown option\(s\) scale; known options: .*; options of the scaled-test "
+                       r"loader: factor; did you mean"):  # fmt: skip
         weightstream.load_weights(checkpoint, format="scaled-test", scale=2)
+
+
+def test_an_engines_unknown_option_lists_only_what_its_extra_config_may_set():
+    """Inside an engine, the options the engine decides (device, rank, world_size...) are not offered."""
+    from weightstream.engines.common import loader_options
+
+    with pytest.raises(OptionError) as refused:
+        loader_options({"thread": 2}, "weightstream")
+    offered = str(refused.value).split("known options: ")[1]
+    assert "threads" in offered and "max_inflight_bytes" in offered
+    assert not {"device", "rank", "world_size"} & set(re.findall(r"\w+", offered)), offered
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import difflib
 import importlib
 import importlib.metadata
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TypeVar, overload
 
 from weightstream.errors import InvalidOptionError, LoaderRegistrationError, OptionError, UnknownFormatError, logger
@@ -144,10 +144,15 @@ AUTO_CHOICES = ("safetensors", "streaming", "sharded-state")
 directory with a weightstream manifest: sharded-state)."""
 
 
-def check_options(format: str, options: Mapping[str, object]) -> tuple[LoadOptions, dict[str, object]]:
+def check_options(
+    format: str, options: Mapping[str, object], decided_elsewhere: Collection[str] = ()
+) -> tuple[LoadOptions, dict[str, object]]:
     """The core options of ``options``, checked, and the rest, each checked to be an option of ``format``'s loader
     (for ``"auto"``: of a loader it may pick), before any I/O. Only those loaders are imported (an unknown name
     imports the others, to say whose option it is).
+
+    An unknown name is refused with the options the caller may set: the core ones (less ``decided_elsewhere``, the
+    ones an engine sets itself) and, apart, the loader's own.
 
     Raises:
         OptionError: a name that is neither a core option nor an option of any registered loader.
@@ -170,9 +175,14 @@ def check_options(format: str, options: Mapping[str, object]) -> tuple[LoadOptio
         if owner is not None:
             user = f"the {format} loader" if format != AUTO else f"format='auto' ({' or '.join(AUTO_CHOICES)})"
             raise InvalidOptionError(f"{name}: an option of format={owner!r}; {user} does not use it")
+        whose = (
+            f"the {format} loader" if format != AUTO else f"the loaders format='auto' picks from ({', '.join(formats)})"
+        )
+        loaders_own = ", ".join(sorted(accepted - set(decided_elsewhere))) or "none"
         raise OptionError(
             f"unknown option(s) {', '.join(sorted(set(own) - accepted))}; known options: "
-            f"{', '.join(sorted(core_names | accepted))}{_did_you_mean(name)}"
+            f"{', '.join(sorted(core_names - set(decided_elsewhere)))}; options of {whose}: {loaders_own}"
+            f"{_did_you_mean(name)}"
         )
     return core, own
 

@@ -74,7 +74,9 @@ def loader_options(extra: Mapping[str, Any] | None, load_format: str) -> tuple[s
             f"{load_format}: {', '.join(owned)} in the extra loader config: the engine decides these"
         )
     options = engine_cache(options, load_format)
-    check_options(AUTO if load_format == "weightstream" else load_format.removeprefix("weightstream-"), options)
+    check_options(
+        AUTO if load_format == "weightstream" else load_format.removeprefix("weightstream-"), options, ENGINE_OWNED
+    )
     return uri, options
 
 
