@@ -36,9 +36,11 @@ NOT_RUN_REASONS = (
     "the daemon runs in the foreground",
     "mounts a filesystem",
     "a listing",
+    "starts a server on fixed ports",
 )
 """Why a block may not run: what it is (a synopsis, a file's snippet, a listing) or what it needs that a test
-machine has not (an engine, a foreground daemon, root mounts). Anything else runs."""
+machine has not (an engine, a foreground daemon, root mounts, ports a test running beside it may hold). Anything else
+runs."""
 BLOCK = re.compile(
     r"(?:<!-- example: (?P<directive>[^>]*?) -->\n)?```(?P<language>[a-z]*)\n(?P<code>.*?)\n```", re.DOTALL
 )
