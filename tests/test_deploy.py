@@ -76,3 +76,39 @@ def test_the_fleets_daemonset_joins_a_fleet_and_its_policy_admits_only_its_peers
     assert policy["spec"]["podSelector"] == {"matchLabels": daemonset["spec"]["selector"]["matchLabels"]}
     (ingress,) = policy["spec"]["ingress"]
     assert ingress["from"] == [{"podSelector": {"matchLabels": daemonset["spec"]["selector"]["matchLabels"]}}]
+
+
+def test_the_containerfile_builds_what_the_daemonsets_run():
+    """deploy/Containerfile (not built here: no base-image registry is reachable): torch from the CPU index before
+    anything that requires it, extras that exist, the DaemonSets' uid, weightstream as the entry point with a command
+    the CLI accepts; the unit's documentation link names a heading that exists."""
+    import json
+    import re
+
+    import yaml
+
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11's TOML parser")
+    text = (DEPLOY / "Containerfile").read_text()
+    steps = [line for line in text.splitlines() if line and not line.startswith("#")]
+    torch_step = next(index for index, line in enumerate(steps) if "torch==" in line)
+    weightstream_step = next(index for index, line in enumerate(steps) if "/src[" in line)
+    assert "download.pytorch.org/whl/cpu" in steps[torch_step] and torch_step < weightstream_step
+    extras = set(re.search(r"/src\[([\w,]+)\]", steps[weightstream_step])[1].split(","))
+    declared = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras <= set(declared), extras - set(declared)
+    assert "USER 10001:10001" in steps
+    assert json.loads(next(line for line in steps if line.startswith("ENTRYPOINT"))[len("ENTRYPOINT") :]) == [
+        "weightstream"
+    ]
+    command = json.loads(next(line for line in steps if line.startswith("CMD"))[len("CMD") :])
+    assert _parser().parse_args(command).cache_command == "serve"
+    for manifest in ("weightstream-cache-daemonset.yaml", "weightstream-cache-fleet.yaml"):
+        documents = yaml.safe_load_all((DEPLOY / manifest).read_text())
+        (daemons,) = [document for document in documents if document["kind"] == "DaemonSet"]
+        assert daemons["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 10001
+    link = next(
+        line for line in (DEPLOY / "weightstream-cache.service").read_text().splitlines() if "Documentation=" in line
+    )
+    page, anchor = link.split("/blob/main/")[1].split("#")
+    headings = re.findall(r"^#+ (.+)$", (DEPLOY.parent / page).read_text(), re.MULTILINE)
+    assert anchor in {re.sub(r"[^\w -]", "", heading).strip().lower().replace(" ", "-") for heading in headings}
