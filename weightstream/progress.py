@@ -13,6 +13,13 @@ REDRAW_SECONDS = 0.1
 WIDTH = 30
 
 
+def _clock(seconds: float) -> str:
+    """``seconds`` as ``M:SS`` (``H:MM:SS`` from an hour)."""
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
 class ProgressBar:
     """Counts bytes from any thread and redraws at most every 0.1 s.
 
@@ -39,11 +46,29 @@ class ProgressBar:
                 self._draw(now)
 
     def _draw(self, now: float) -> None:
-        fraction = self.done / self.total if self.total else 1.0
-        filled = int(fraction * WIDTH)
-        rate = self.done / max(now - self._start, 1e-9) / 1e9
-        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (WIDTH - filled)}] {fraction:6.1%} {rate:6.2f} GB/s")
+        self.stream.write("\r" + self.line(now))
         self.stream.flush()
+
+    def line(self, now: float) -> str:
+        """The bar as drawn at ``now``: bytes done of the total, the rate so far, the time taken and the time left at
+        that rate.
+
+        Example:
+            >>> bar = ProgressBar(label="load")
+            >>> bar.total, bar.done, bar._start = 4 << 30, 1 << 30, 0.0
+            >>> bar.line(2.0)
+            'load [#######.......................]  25.0% 1.00/4.00 GiB 0.54 GB/s 0:02 elapsed, 0:06 left'
+        """
+        fraction = min(self.done / self.total, 1.0) if self.total else 1.0
+        filled = int(fraction * WIDTH)
+        elapsed = max(now - self._start, 1e-9)
+        rate = self.done / elapsed
+        left = (self.total - self.done) / rate if rate and self.total > self.done else 0.0
+        return (
+            f"{self.label} [{'#' * filled}{'.' * (WIDTH - filled)}] {fraction:6.1%} "
+            f"{self.done / 2**30:.2f}/{self.total / 2**30:.2f} GiB {rate / 1e9:.2f} GB/s "
+            f"{_clock(elapsed)} elapsed, {_clock(left)} left"
+        )
 
     @contextlib.contextmanager
     def expecting(self, total: int) -> Iterator[ProgressBar]:
