@@ -137,6 +137,19 @@ def test_bench_builds_the_demo_and_compares(tmp_path: Path):
 
 
 @pytest.mark.slow
+def test_bench_quick_says_up_front_what_it_runs_and_its_table_says_how_to_read_it(tmp_path: Path):
+    methods = "weightstream,limit-read-reused"
+    result = cli("bench", "--quick", "--cache-dir", str(tmp_path / "cache"), "--methods", methods)
+    assert result.returncode == 0, result.stderr
+    said = result.stderr.splitlines()
+    assert said[0] == "building (or reusing) a demo Llama checkpoint of about 0.25 GiB ..."
+    planned = r"4 runs \(1 round of each installed method, cold, warm\), each a fresh process: about \d+ min"
+    assert re.fullmatch(planned, said[1]), said
+    assert "ws ratio: weightstream's median GB/s over the method's (above 1: weightstream is faster)" in result.stdout
+    assert "cold: the files dropped from the page cache before each run" in result.stdout
+
+
+@pytest.mark.slow
 def test_every_cpu_method_whose_library_is_installed_runs(tmp_path: Path):
     """A peer's new release can change its API (safe_open handles have keys() and no __iter__): every method
     that is not skipped for a missing library must run, peers included."""

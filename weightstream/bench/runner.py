@@ -144,8 +144,7 @@ def run_bench(
         )
     if rounds < 1:
         raise InvalidOptionError(f"rounds must be at least 1, got {rounds}")
-    with contextlib.closing(store_for(uri)) as store:
-        files = list(find_files(store, uri).files)
+    files = find_files_of(uri)
     worker_device = REMOTE if remote else device
     rows = {
         (m, c): Row(m, c, device, skipped=remote_skip_reason(m, uri) if remote else _why_skipped(m, device))
@@ -217,6 +216,25 @@ def _rounds(
                     )
 
 
+def planned_runs(uri: str, methods: Sequence[str] | None, caches: Sequence[str], rounds: int, device: str) -> int:
+    """How many fresh-process runs :func:`run_bench` will make (the methods installed here, each cache, each round).
+
+    Example:
+        >>> planned_runs("model/", ["weightstream", "limit-read-reused"], ["cold", "warm"], 3, "cpu")
+        12
+    """
+    known = METHODS_BY_DEVICE[device]
+    chosen = [m for m in known if m not in SHARDED_STATE_METHODS] if methods is None else list(methods)
+    installed = [m for m in chosen if m in known and _why_skipped(m, device) is None]
+    return len(installed) * len(caches) * rounds
+
+
+def find_files_of(uri: str) -> list[str]:
+    """The checkpoint files at ``uri`` (a path or an object store's URI)."""
+    with contextlib.closing(store_for(uri)) as store:
+        return list(find_files(store, uri).files)
+
+
 def check_device(device: str) -> None:
     """Raise unless the benchmark can land tensors on ``device`` here.
 
@@ -277,6 +295,16 @@ def format_table(report: BenchReport) -> str:
             )
             + f"{(f'{ratio:8.2f}x' if ratio is not None else ''):>9s}"
         )
+    lines.append(
+        "ws ratio: weightstream's median GB/s over the method's (above 1: weightstream is faster); cold: the files "
+        "dropped from the page cache before each run (checked with mincore)"
+        + (
+            "; the node-cache row reads the bench's own daemon, filled before the first round, so its 'cold' is the "
+            "page cache's state, not the cache's: its segments are in shared memory either way"
+            if any(row.method in NODE_CACHE_METHODS and row.runs for row in report.rows)
+            else ""
+        )
+    )
     if any(row.summary().get("memory") == "mapped" for row in report.rows):
         lines.append(
             "memory 'mapped': views of the page cache (or the cache daemon's shared memory), no copy made; warm, "
