@@ -115,7 +115,9 @@ class Node:
         return None if process is None or not self.up.is_set() else process.poll()
 
     def log_tail(self, lines: int = 40) -> list[str]:
-        return self.daemon.log().splitlines()[-lines:] if self.daemon is not None else []
+        """The last warnings and errors of the daemon's log (its info lines, each fill, would drown them)."""
+        said = self.daemon.log().splitlines() if self.daemon is not None else []
+        return [line for line in said if ": INFO: " not in line][-lines:]
 
     def stop(self) -> None:
         if self.daemon is not None and self.daemon.process is not None and self.daemon.process.poll() is None:

@@ -10,7 +10,8 @@ memory offered to peers as NIXL DRAM (the fleet's device path, everything but th
 offers one after the fill (``--corrupt-device``: with a byte flipped); ``--device-fill`` fills through the device
 path instead, and the JSON says how many copies it made and their sha256. A fill abandoned because a transfer may
 still write its memory prints ``{"stuck": message, "kept": n}``; each line on stdin then asks the fetcher to release
-what has ended since, and it prints ``{"kept": n}``."""
+what has ended since (``forget PEER`` first forgets that peer, as a failed fetch does), and it prints
+``{"kept": n}``."""
 
 from __future__ import annotations
 
@@ -104,7 +105,9 @@ def main() -> None:
             stats = fleet.fill(entry, fd, source.size, read_origin)
     except MemoryStillInUseError as error:  # the daemon fills a fresh file; here the test looks at what is kept
         print(json.dumps({"stuck": str(error), "kept": len(fetcher.stuck)}), flush=True)
-        for line in sys.stdin:  # "reap": release what has ended since; how much is still kept
+        for line in sys.stdin:  # "reap": release what has ended since; "forget PEER": as a failed fetch does
+            if line.startswith("forget "):
+                fetcher.forget(line.split()[1])
             print(json.dumps({"kept": fetcher.reap()}), flush=True)
         fleet.close()
         member.close()

@@ -213,8 +213,10 @@ class PieceFetcher:
         """Peers to forget once their transfers end (reads from them wait for that, then load them again)."""
         self.stuck: list[tuple[int, int]] = []
         """Memory (address, bytes) that transfers which could not be released may still write: never reused."""
-        self._stuck_handles: list[tuple[object, object, int, int, str]] = []
-        """Each transfer kept out of use: its handle, registration, memory (address, bytes) and memory kind."""
+        self._stuck_handles: list[tuple[object, object, int, int, str, str]] = []
+        """Each transfer kept out of use: its handle, registration, memory (address, bytes), memory kind and peer."""
+        self._reaping = threading.Lock()
+        """Held by the one :meth:`reap` under way: a transfer is released, and its memory unmapped, once."""
         self._handed_over: set[tuple[int, int]] = set()
         """Host memory kept out of use whose fill has unmapped the rest of its mapping (see :meth:`hand_over`)."""
         self._lock = threading.Condition()
@@ -248,10 +250,15 @@ class PieceFetcher:
             self.reap()
         name = self._start(peer, where.address, bytes.fromhex(where.metadata))
         notice = b"" if served_as is None else f"served {served_as} {nbytes}".encode()
+        kept = False
         try:
             self._transfer(peer, name, remote, offset, nbytes, (destination, memory, device), notice)
+        except MemoryStillInUseError:
+            kept = True  # still under way: it counts as moving (its peer is not dropped) until reaped
+            raise
         finally:
-            self._end(peer)
+            if not kept:
+                self._end(peer)
         if sha256 is not None:
             got = hashlib.sha256(memory_at(destination, nbytes)).hexdigest()
             if got != sha256:
@@ -265,6 +272,11 @@ class PieceFetcher:
         (its metadata loaded once; after a :meth:`forget` still waiting on transfers, loaded again once they end)."""
         with self._lock:
             while peer in self._forgetting:
+                if any(held[5] == peer for held in self._stuck_handles):  # may never end: no waiting on it
+                    raise FleetPeerError(
+                        f"{peer}: a transfer from it is kept out of use until it ends, and it is being forgotten: "
+                        "nothing more is read from it meanwhile"
+                    )
                 self._lock.wait()
             if (peer, address) not in self._loaded:
                 try:
@@ -321,7 +333,7 @@ class PieceFetcher:
                 while state not in ("DONE", "ERR"):
                     if time.monotonic() - started > self.timeout_s:
                         stuck = True
-                        self._keep_out_of_use(handle, registration, local, nbytes, "not delivered in time")
+                        self._keep_out_of_use(peer, handle, registration, local, nbytes, "not delivered in time")
                         raise MemoryStillInUseError(
                             f"{peer}: bytes {offset}..{offset + nbytes} not delivered in {self.timeout_s:.0f} s; "
                             f"the read may still land (a stopped peer answers when it resumes), so the {nbytes} "
@@ -332,7 +344,7 @@ class PieceFetcher:
                 if state == "ERR":
                     raise FleetPeerError(f"{peer}: the read of bytes {offset}..{offset + nbytes} failed")
             finally:
-                if not stuck and not self._release(handle, registration, local, nbytes):
+                if not stuck and not self._release(peer, handle, registration, local, nbytes):
                     stuck = True  # this error, not the transfer's: the fill's memory is no longer its own
                     raise MemoryStillInUseError(
                         f"{peer}: the read of bytes {offset}..{offset + nbytes} could not be stopped: the {nbytes} "
@@ -346,31 +358,34 @@ class PieceFetcher:
             if not stuck:
                 agent.deregister_memory(registration)  # type: ignore[attr-defined]
 
-    def _release(self, handle: object, registration: object, local: tuple[int, str, int], nbytes: int) -> bool:
+    def _release(
+        self, peer: str, handle: object, registration: object, local: tuple[int, str, int], nbytes: int
+    ) -> bool:
         """Release a finished transfer's ``handle``; whether it was. Where NIXL refuses, the transfer may still write
         the ``nbytes`` at ``local``: that memory is kept out of use (:meth:`_keep_out_of_use`)."""
         try:
             self._agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
             return True
         except Exception as error:  # noqa: BLE001 - NIXL_ERR_REPOST_ACTIVE and the like
-            self._keep_out_of_use(handle, registration, local, nbytes, f"could not be released: {error}")
+            self._keep_out_of_use(peer, handle, registration, local, nbytes, f"could not be released: {error}")
             return False
 
     def _keep_out_of_use(
-        self, handle: object, registration: object, local: tuple[int, str, int], nbytes: int, why: str
+        self, peer: str, handle: object, registration: object, local: tuple[int, str, int], nbytes: int, why: str
     ) -> None:
         """A transfer that may still write the ``nbytes`` at ``local``: a read past its deadline (releasing it only
         cancels the request, which NIXL's UCX backend itself says may not stop the transfer; a peer that was stopped
         answers when it resumes) or one NIXL would not release. Host memory is fenced off (a private mapping the fill
         never unmaps); the handle and its registration are kept, so no page under them is handed out again, until
-        the transfer is seen to end (:meth:`reap`)."""
+        the transfer is seen to end (:meth:`reap`); until then it counts as moving from ``peer``, whose agent is not
+        dropped under it (a late answer on a removed endpoint crashed the process: the 20-minute soak)."""
         destination, memory, _ = local
         log.error("fleet: a transfer into %#x (%d bytes) %s: kept out of use until it ends", destination, nbytes, why)
         if memory == "DRAM":
             fence_off(destination, nbytes)
         with self._lock:
             self.stuck.append((destination, nbytes))
-            self._stuck_handles.append((handle, registration, destination, nbytes, memory))
+            self._stuck_handles.append((handle, registration, destination, nbytes, memory, peer))
 
     def hand_over(self, address: int, size: int) -> None:
         """The fill whose memory was ``size`` bytes at ``address`` has unmapped it, but for what is kept out of use
@@ -382,12 +397,20 @@ class PieceFetcher:
     def reap(self) -> int:
         """Release the transfers kept out of use that have ended since (done or failed: nothing more can land), and
         unmap the memory they were fenced into; how many are still kept. Called as each read starts and at each
-        renewal of the node's lease."""
+        renewal of the node's lease (one at a time: a second caller meanwhile returns at once)."""
+        if not self._reaping.acquire(blocking=False):
+            return len(self._stuck_handles)
+        try:
+            return self._reap()
+        finally:
+            self._reaping.release()
+
+    def _reap(self) -> int:
         with self._lock:
             kept = list(self._stuck_handles)
         ended = []
         for held in kept:
-            handle, registration, destination, nbytes, memory = held
+            handle, registration, destination, nbytes, memory, _ = held
             if memory == "DRAM" and (destination, nbytes) not in self._handed_over:
                 continue  # its fill still has the mapping around it: unmapped here only once the fill let go
             try:
@@ -407,6 +430,9 @@ class PieceFetcher:
                 self._stuck_handles.remove(held)
                 self.stuck.remove((held[2], held[3]))
                 self._handed_over.discard((held[2], held[3]))
+        for held in ended:
+            self._end(held[5])  # the peer may be forgotten now
+        with self._lock:
             if ended:
                 log.info("fleet: %d transfers kept out of use have ended: their memory is released", len(ended))
             return len(self._stuck_handles)
