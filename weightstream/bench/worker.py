@@ -1,6 +1,7 @@
 """One measurement in a fresh process: ``python -m weightstream.bench.worker DEVICE METHOD URI FILE...``.
 
-Prints one JSON object: seconds from the call to every tensor materialised (on the CPU:
+Each method first runs once on a tiny checkpoint of its own (imports and first-call set-up outside the clock, for every
+method alike). Prints one JSON object: seconds from the call to every tensor materialised (on the CPU:
 every 4 KiB page of it touched; on a GPU: the device synchronised; each tensor kept, unless the
 method's consumer drops them, as ``weightstream_dropping`` does), seconds to the first
 tensor, and peak RSS against the baseline; on a GPU also peak device bytes in use (sampled
@@ -11,11 +12,14 @@ clock starts, for every method alike.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -42,6 +46,8 @@ def measure(device: str, method: str, uri: str, files: list[str]) -> dict[str, o
     generator = REMOTE_METHODS[method].load if device == REMOTE else METHODS_BY_DEVICE[device][method][0]
     on_gpu = device == "cuda"
     sampler = DeviceMemorySampler() if on_gpu else None
+    if device != REMOTE:
+        warm_up(generator)
     baseline = _rss()
     drops = getattr(generator, "drops", False)  # the method's consumer lets go of each tensor (weightstream_dropping)
     kept, count, first = [], 0, None
@@ -75,10 +81,23 @@ def measure(device: str, method: str, uri: str, files: list[str]) -> dict[str, o
     return result
 
 
+def warm_up(generator: Callable[[str, list[str]], Iterator[tuple[str, torch.Tensor]]]) -> None:
+    """Run ``generator`` once on a tiny checkpoint of its own, before the clock: imports (weightstream's lazy ones;
+    a peer's own) and first-call set-up cost every method once per process, whatever the checkpoint's size, and are
+    not what a GB/s figure measures (``benchmarks/fixed_costs.py`` measures them). A method that cannot read that
+    checkpoint (a sharded-state one) is measured as it is."""
+    from weightstream.save.write import write_safetensors
+
+    with tempfile.TemporaryDirectory(prefix="weightstream-bench-warm-") as directory:
+        path = os.path.join(directory, "model.safetensors")
+        write_safetensors(path, {"warm.weight": torch.zeros(1024)}, {"format": "pt"})
+        with contextlib.suppress(Exception):  # its real run says what fails, on the checkpoint measured
+            for _ in generator(path, [path]):
+                pass
+
+
 def file_sizes(uri: str, files: list[str]) -> list[int]:
     """Each file's size: from the filesystem, or from the object store the URI names."""
-    import contextlib
-
     from weightstream.sources import REMOTE_SCHEMES, store_for
 
     if not uri.startswith(REMOTE_SCHEMES):
