@@ -330,12 +330,21 @@ def test_auto_without_a_daemon_reads_the_source_and_an_explicit_socket_raises(tm
         assert_same(weightstream.load_weights(tmp_path / "model.safetensors", cache="auto"), state())
     assert [(record.levelname, record.getMessage()) for record in caplog.records] == [
         (
-            "DEBUG",
+            "INFO",  # someone configured that socket: said where a user looking at info sees it
             f"cache='auto': no weightstream cache daemon at {tmp_path / 'nobody.sock'}: no such socket; reading from "
             + "the source",
         )
     ]
     caplog.clear()
+    monkeypatch.delenv("WEIGHTSTREAM_CACHE")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # the default socket, absent: a machine without a daemon
+    from weightstream.nodecache.connection import ROOT_SOCKET
+
+    if not os.path.lexists(ROOT_SOCKET):
+        with caplog.at_level("DEBUG", logger="weightstream.nodecache.connection"):
+            assert_same(weightstream.load_weights(tmp_path / "model.safetensors", cache="auto"), state())
+        assert [record.levelname for record in caplog.records] == ["DEBUG"], caplog.records
+        caplog.clear()
     stale = socket.socket(socket.AF_UNIX)  # a socket file nobody listens on: a daemon that died
     stale.bind(str(tmp_path / "stale.sock"))
     monkeypatch.setenv("WEIGHTSTREAM_CACHE", str(tmp_path / "stale.sock"))

@@ -318,7 +318,7 @@ def test_version_and_log_levels(checkpoint: Path, tmp_path: Path):
         "--log-level", "debug", "load", str(checkpoint), "--cache", "auto", env_extra={"WEIGHTSTREAM_CACHE": nobody}
     )
     assert told.returncode == 0
-    assert f"weightstream: DEBUG: cache='auto': no weightstream cache daemon at {nobody}: no such socket" in told.stderr
+    assert f"weightstream: INFO: cache='auto': no weightstream cache daemon at {nobody}: no such socket" in told.stderr
     from_environment = cli(
         "load",
         str(checkpoint),
@@ -326,7 +326,7 @@ def test_version_and_log_levels(checkpoint: Path, tmp_path: Path):
         "auto",
         env_extra={"WEIGHTSTREAM_CACHE": nobody, "WEIGHTSTREAM_LOG": "debug"},
     )
-    assert "weightstream: DEBUG: cache='auto'" in from_environment.stderr
+    assert "weightstream: INFO: cache='auto'" in from_environment.stderr
     wrong = cli("load", str(checkpoint), env_extra={"WEIGHTSTREAM_LOG": "loud"})
     assert (wrong.returncode, wrong.stderr.strip()) == (
         2,

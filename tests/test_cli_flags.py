@@ -205,7 +205,7 @@ def test_verbose_shows_what_weightstream_chose(checkpoint: Path):
         check=False,
         env={**os.environ, "WEIGHTSTREAM_CACHE": nobody},
     )
-    assert f"weightstream: DEBUG: cache='auto': no weightstream cache daemon at {nobody}" in debug.stderr
+    assert f"weightstream: INFO: cache='auto': no weightstream cache daemon at {nobody}" in debug.stderr
 
 
 @pytest.mark.parametrize(("stop", "code", "said"), [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])

@@ -9,14 +9,17 @@ import fnmatch
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import weightstream
 from weightstream.arguments import add_storage_arguments, parse_rank, positive, storage_options
 from weightstream.errors import InvalidOptionError
-from weightstream.formats.sharded_state import Rank
-from weightstream.planning.plan import LoadPlan
 from weightstream.progress import ProgressBar
 from weightstream.terminal import printable
+
+if TYPE_CHECKING:  # --help imports no torch
+    from weightstream.formats.sharded_state import Rank
+    from weightstream.planning.plan import LoadPlan
 
 GLOB_CHARACTERS = "*?["
 BUILT_IN_FORMATS = ("safetensors", "streaming", "layered", "sharded-state", "distributed")
