@@ -211,8 +211,6 @@ class PieceFetcher:
         """Transfers under way from each peer: a peer is forgotten once its last one ends."""
         self._forgetting: set[str] = set()
         """Peers to forget once their transfers end (reads from them wait for that, then load them again)."""
-        self.stuck: list[tuple[int, int]] = []
-        """Memory (address, bytes) that transfers which could not be released may still write: never reused."""
         self._stuck_handles: list[tuple[object, object, int, int, str, str]] = []
         """Each transfer kept out of use: its handle, registration, memory (address, bytes), memory kind and peer."""
         self._reaping = threading.Lock()
@@ -384,15 +382,22 @@ class PieceFetcher:
         if memory == "DRAM":
             fence_off(destination, nbytes)
         with self._lock:
-            self.stuck.append((destination, nbytes))
             self._stuck_handles.append((handle, registration, destination, nbytes, memory, peer))
+
+    @property
+    def stuck(self) -> list[tuple[int, int]]:
+        """Memory (address, bytes) that transfers kept out of use may still write: never reused until they end."""
+        with self._lock:
+            return [(held[2], held[3]) for held in self._stuck_handles]
 
     def hand_over(self, address: int, size: int) -> None:
         """The fill whose memory was ``size`` bytes at ``address`` has unmapped it, but for what is kept out of use
         there: :meth:`reap` may unmap those ranges once their transfers end (never before: the fill's own unmap would
         then hit whatever the kernel mapped into the hole meanwhile)."""
         with self._lock:
-            self._handed_over.update((at, nbytes) for at, nbytes in self.stuck if address <= at < address + size)
+            self._handed_over.update(
+                (held[2], held[3]) for held in self._stuck_handles if address <= held[2] < address + size
+            )
 
     def reap(self) -> int:
         """Release the transfers kept out of use that have ended since (done or failed: nothing more can land), and
@@ -428,7 +433,6 @@ class PieceFetcher:
         with self._lock:
             for held in ended:
                 self._stuck_handles.remove(held)
-                self.stuck.remove((held[2], held[3]))
                 self._handed_over.discard((held[2], held[3]))
         for held in ended:
             self._end(held[5])  # the peer may be forgotten now
