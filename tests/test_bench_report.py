@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from weightstream.bench.methods import METHODS, SETTINGS, with_environment
 from weightstream.bench.runner import BenchReport, Row, format_table, plot, ratios
 from weightstream.errors import InvalidOptionError
 
@@ -167,3 +170,33 @@ def test_the_table_says_which_methods_map_instead_of_owning(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     only_owned = BenchReport("/ckpt", ["/ckpt/a.safetensors"], 8 * GIB, 1, rows[:1], {}, "cpu")
     assert "mapped" not in format_table(only_owned)
+
+
+def test_each_peer_and_limit_states_its_settings_beside_its_figure():
+    peers = [m for m in METHODS if not m.startswith("weightstream")]
+    assert peers and all(SETTINGS.get(m) for m in peers)
+    rows = [
+        Row("weightstream", "cold", "cpu", [run(2.0)]),
+        Row("runai-model-streamer-c4", "cold", "cpu", [run(1.0)]),
+        Row("fastsafetensors-buffered", "cold", "cpu", skipped="fastsafetensors is not installed"),
+    ]
+    report = BenchReport("/ckpt", ["/ckpt/a.safetensors"], 8 * GIB, 1, rows, {}, "cpu")
+    lines = format_table(report).splitlines()
+    settings = lines[lines.index("settings:") + 1 :]
+    assert settings[0].split() == ["weightstream", *SETTINGS["weightstream"].split()]
+    assert settings[1].split()[:2] == ["runai-model-streamer-c4", "RUNAI_STREAMER_CONCURRENCY=4"]
+    assert not any("fastsafetensors-buffered" in line for line in settings)  # not measured: nothing to state
+    results = report.to_json()["results"]
+    assert results[1]["settings"] == SETTINGS["runai-model-streamer-c4"] and "settings" not in results[2]
+
+
+def test_a_peer_reads_the_environment_its_settings_name(monkeypatch):
+    seen = []
+
+    def peer(uri, files):
+        seen.append(os.environ.get("RUNAI_STREAMER_CONCURRENCY"))
+        yield from ()
+
+    monkeypatch.setenv("RUNAI_STREAMER_CONCURRENCY", "16")  # restored after the test, whatever the method set
+    list(with_environment(peer, RUNAI_STREAMER_CONCURRENCY="4")("/ckpt", []))
+    assert seen == ["4"]

@@ -77,8 +77,28 @@ def safetensors_safe_open(uri: str, files: list[str]) -> Iterator[tuple[str, tor
                 yield name, opened.get_tensor(name)
 
 
+def with_environment(method: Method, **variables: str) -> Method:
+    """``method`` run with environment ``variables`` set first: how a peer's documented settings reach it (each
+    measurement is a process of its own, and the peer reads them when it first streams)."""
+
+    def load(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        os.environ.update(variables)
+        yield from method(uri, files)
+
+    return load
+
+
+def safetensors_load_file_pread(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """safetensors.torch.load_file(backend="pread") per file: tensors read into memory of the process's own."""
+    from safetensors.torch import load_file
+
+    for path in files:
+        yield from load_file(path, backend="pread").items()
+
+
 def runai_model_streamer(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """runai-model-streamer's SafetensorsStreamer, default settings (owned tensors)."""
+    """runai-model-streamer's SafetensorsStreamer over all files in one request (its recommended use), settings from
+    the environment (see :data:`SETTINGS`)."""
     from runai_model_streamer import SafetensorsStreamer
 
     with SafetensorsStreamer() as streamer:
@@ -87,7 +107,8 @@ def runai_model_streamer(uri: str, files: list[str]) -> Iterator[tuple[str, torc
 
 
 def fastsafetensors_nogds(uri: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """fastsafetensors without GDS to the CPU."""
+    """fastsafetensors without GDS to the CPU (its reads direct or buffered by ``FASTSAFETENSORS_ODIRECT``, default:
+    direct on a local filesystem)."""
     from fastsafetensors import fastsafe_open
 
     with fastsafe_open(files, device="cpu", nogds=True) as opened:
@@ -205,14 +226,48 @@ METHODS: dict[str, tuple[Method, str | None]] = {
     "weightstream-rank0": (weightstream_with(format="sharded-state", rank=0), None),
     "weightstream-rank0-verify": (weightstream_with(format="sharded-state", rank=0, verify=True), None),
     "safetensors.load_file": (safetensors_load_file, "safetensors"),
+    "safetensors.load_file-pread": (safetensors_load_file_pread, "safetensors"),
     "safetensors.safe_open": (safetensors_safe_open, "safetensors"),
     "runai-model-streamer": (runai_model_streamer, "runai_model_streamer"),
+    "runai-model-streamer-c4": (
+        with_environment(runai_model_streamer, RUNAI_STREAMER_CONCURRENCY="4"),
+        "runai_model_streamer",
+    ),
+    "runai-model-streamer-c32-unlimited": (
+        with_environment(runai_model_streamer, RUNAI_STREAMER_CONCURRENCY="32", RUNAI_STREAMER_MEMORY_LIMIT="-1"),
+        "runai_model_streamer",
+    ),
     "fastsafetensors": (fastsafetensors_nogds, "fastsafetensors"),
+    "fastsafetensors-buffered": (
+        with_environment(fastsafetensors_nogds, FASTSAFETENSORS_ODIRECT="0"),
+        "fastsafetensors",
+    ),
     "limit-read-fresh": (limit_read_fresh, None),
     "limit-read-reused": (limit_read_reused, None),
     "limit-fresh-memory": (limit_fresh_memory, None),
 }
 """Name -> (generator, the module it needs)."""
+
+SETTINGS: dict[str, str] = {
+    "weightstream": "defaults: direct reads into huge pages when cold, buffered reads when warm",
+    "weightstream-4k-pages": "huge_pages=False",
+    "weightstream-buffered": "direct_io=False",
+    "weightstream-zero-copy": "zero_copy=True",
+    "safetensors.load_file": "backend='mmap' (its default)",
+    "safetensors.load_file-pread": "backend='pread'",
+    "safetensors.safe_open": "framework='pt', get_tensor per name",
+    "runai-model-streamer": "its defaults: CONCURRENCY 16, MEMORY_LIMIT 40 GB, buffered reads",
+    "runai-model-streamer-c4": "RUNAI_STREAMER_CONCURRENCY=4 (2 CPUs: fewer readers)",
+    "runai-model-streamer-c32-unlimited": "RUNAI_STREAMER_CONCURRENCY=32, RUNAI_STREAMER_MEMORY_LIMIT=-1 (unlimited)",
+    "fastsafetensors": "nogds=True, its default O_DIRECT on a local filesystem",
+    "fastsafetensors-buffered": "nogds=True, FASTSAFETENSORS_ODIRECT=0 (buffered reads)",
+    "limit-read-fresh": "one thread, readinto fresh memory",
+    "limit-read-reused": "one thread, 16 MiB buffer reused",
+    "limit-fresh-memory": "MADV_POPULATE_WRITE on anonymous memory, no I/O",
+}
+"""Each CPU method's settings as the bench runs it, stated beside its figure (``bench`` table and ``--json``). Peers
+run as their documentation recommends (runai: one ``stream_files`` request over all files; fastsafetensors:
+``fastsafe_open`` over all files), their variables named where the bench sets them."""
 
 
 METHODS_BY_DEVICE = {"cpu": METHODS, "cuda": CUDA_METHODS}
@@ -241,6 +296,20 @@ def memory_of(method: str, device: str = "cpu") -> str:
 
 SHARDED_STATE_METHODS = frozenset({"weightstream-rank0", "weightstream-rank0-verify"})
 """Methods that read a sharded-state directory (benchmarks/sharded_state_bench.py): run only when named."""
+
+PEER_VARIANTS = frozenset(
+    {
+        "safetensors.load_file-pread",
+        "runai-model-streamer-c4",
+        "runai-model-streamer-c32-unlimited",
+        "fastsafetensors-buffered",
+    }
+)
+"""Peers under their other documented settings (benchmarks/README.md's figures run names them): run only when
+named, so the demo measures each peer once, at its defaults."""
+
+RUN_WHEN_NAMED = SHARDED_STATE_METHODS | PEER_VARIANTS
+"""Methods a bench without ``--methods`` leaves out."""
 
 
 def missing_module(method: str, device: str = "cpu") -> str | None:

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 from weightstream.bench.methods import (
     METHODS_BY_DEVICE,
     NODE_CACHE_METHODS,
-    SHARDED_STATE_METHODS,
+    RUN_WHEN_NAMED,
+    SETTINGS,
     memory_of,
     missing_module,
 )
@@ -71,6 +72,7 @@ class Row:
             "method": self.method,
             "cache": self.cache,
             "memory": memory_of(self.method, self.device),
+            **({"settings": SETTINGS[self.method]} if self.device == "cpu" and self.method in SETTINGS else {}),
             "gbps_median": statistics.median(self.gbps),
             "gbps_min": min(self.gbps),
             "gbps_max": max(self.gbps),
@@ -134,7 +136,7 @@ def run_bench(
             f"bench of an object-store checkpoint lands tensors on the CPU; --device {device} is for local files"
         )
     known = REMOTE_METHODS if remote else METHODS_BY_DEVICE[device]
-    methods = [m for m in known if m not in SHARDED_STATE_METHODS] if methods is None else list(methods)
+    methods = [m for m in known if m not in RUN_WHEN_NAMED] if methods is None else list(methods)
     if remote:
         caches = (SERVER_CACHE,)  # the server's page cache is its own; the worker does not control it
     unknown = [m for m in methods if m not in known] + [c for c in caches if c not in (*CACHES, SERVER_CACHE)]
@@ -224,7 +226,7 @@ def planned_runs(uri: str, methods: Sequence[str] | None, caches: Sequence[str],
         12
     """
     known = METHODS_BY_DEVICE[device]
-    chosen = [m for m in known if m not in SHARDED_STATE_METHODS] if methods is None else list(methods)
+    chosen = [m for m in known if m not in RUN_WHEN_NAMED] if methods is None else list(methods)
     installed = [m for m in chosen if m in known and _why_skipped(m, device) is None]
     return len(installed) * len(caches) * rounds
 
@@ -261,13 +263,14 @@ def ratios(report: BenchReport) -> dict[str, dict[str, float]]:
 def format_table(report: BenchReport) -> str:
     """A plain-text table of the report, with weightstream's ratio to each method."""
     on_gpu = report.device == "cuda"
+    width = max([24, *(len(row.method) for row in report.rows)])
     lines = [
         (
             f"checkpoint: {report.uri} ({report.total_bytes / 2**30:.2f} GiB in {len(report.files)} files) to "
             f"{report.device}, "
             f"{report.rounds} interleaved rounds, each run a fresh process; medians (min-max)"
         ),
-        f"{'cache':5s} {'method':24s} {'memory':6s} {'GB/s':>22s} {'first tensor':>13s} {'peak RSS +':>11s} "
+        f"{'cache':5s} {'method':{width}s} {'memory':6s} {'GB/s':>22s} {'first tensor':>13s} {'peak RSS +':>11s} "
         + (f"{'GPU +':>9s} {'pinned':>9s} " if on_gpu else "")
         + f"{'ws ratio':>9s}",
     ]
@@ -275,15 +278,15 @@ def format_table(report: BenchReport) -> str:
     for row in report.rows:
         summary = row.summary()
         if "skipped" in summary:
-            lines.append(f"{row.cache:5s} {row.method:24s} skipped: {summary['skipped']}")
+            lines.append(f"{row.cache:5s} {row.method:{width}s} skipped: {summary['skipped']}")
             continue
         if "failed" in summary:
-            lines.append(f"{row.cache:5s} {row.method:24s} FAILED: {_first_line(summary['failed'])}")
+            lines.append(f"{row.cache:5s} {row.method:{width}s} FAILED: {_first_line(summary['failed'])}")
             continue
         first = summary["first_tensor_seconds_median"]
         ratio = table_ratios.get(row.cache, {}).get(row.method)
         lines.append(
-            f"{row.cache:5s} {row.method:24s} {summary['memory']:6s} {summary['gbps_median']:7.2f} "
+            f"{row.cache:5s} {row.method:{width}s} {summary['memory']:6s} {summary['gbps_median']:7.2f} "
             f"({summary['gbps_min']:5.2f}-{summary['gbps_max']:5.2f}) "
             f"{(f'{first * 1000:9.0f} ms' if first is not None else '        n/a'):>13s} "
             f"{summary['peak_rss_above_baseline_median'] / 2**20:8.0f} MiB "
@@ -305,6 +308,10 @@ def format_table(report: BenchReport) -> str:
             else ""
         )
     )
+    measured = list(dict.fromkeys(row.method for row in report.rows if row.runs))
+    if report.device == "cpu" and any(method in SETTINGS for method in measured):
+        lines.append("settings:")
+        lines.extend(f"  {method:{width}s} {SETTINGS[method]}" for method in measured if method in SETTINGS)
     if any(row.summary().get("memory") == "mapped" for row in report.rows):
         lines.append(
             "memory 'mapped': views of the page cache (or the cache daemon's shared memory), no copy made; warm, "

@@ -47,7 +47,10 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:  # type: ig
     bench.add_argument(
         "--methods",
         default=None,
-        help="comma-separated methods (default: every one installed for the device; an unknown name lists them)",
+        help=(
+            "comma-separated methods (default: every one installed for the device, but the peers' other settings "
+            "and the sharded-state readers; an unknown name lists them all)"
+        ),
     )
     bench.add_argument(
         "--page-cache",
