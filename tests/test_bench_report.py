@@ -200,3 +200,31 @@ def test_a_peer_reads_the_environment_its_settings_name(monkeypatch):
     monkeypatch.setenv("RUNAI_STREAMER_CONCURRENCY", "16")  # restored after the test, whatever the method set
     list(with_environment(peer, RUNAI_STREAMER_CONCURRENCY="4")("/ckpt", []))
     assert seen == ["4"]
+
+
+def test_each_round_starts_one_method_later(tmp_path, monkeypatch, tiny_state):
+    """No method always runs first after the page cache was prepared (run_worker stands in for the workers)."""
+    from tests.conftest import save_hf_sharded
+    from weightstream.bench import runner
+
+    checkpoint = save_hf_sharded(tiny_state, tmp_path / "ckpt", shards=1)
+    calls = []
+    monkeypatch.setattr(runner, "run_worker", lambda device, method, uri, files: calls.append(method) or run(0.5))
+    methods = ["weightstream", "safetensors.load_file", "limit-read-reused"]
+    runner.run_bench(str(checkpoint), methods=methods, caches=["cold", "warm"], rounds=3)
+    assert calls == [
+        *methods,
+        *methods,
+        "safetensors.load_file",
+        "limit-read-reused",
+        "weightstream",
+        "safetensors.load_file",
+        "limit-read-reused",
+        "weightstream",
+        "limit-read-reused",
+        "weightstream",
+        "safetensors.load_file",
+        "limit-read-reused",
+        "weightstream",
+        "safetensors.load_file",
+    ]

@@ -38,6 +38,7 @@ SERVER_CACHE = "server"
 """The cache state of runs against an object store: whatever the server's own caches hold."""
 COLD_RESIDENCY = 0.02
 WARM_RESIDENCY = 0.98
+PREPARE_TRIES = 3
 WORKER_TIMEOUT_S = 900
 
 
@@ -193,8 +194,10 @@ def _rounds(
     on_run: Callable[[str], None] | None,
 ) -> None:
     for round_number in range(rounds):
+        shift = round_number % max(1, len(methods))
+        in_turn = methods[shift:] + methods[:shift]
         for cache in caches:
-            for method in methods:
+            for method in in_turn:
                 row = rows[(method, cache)]
                 if row.skipped or row.failed:
                     continue
@@ -361,19 +364,40 @@ def _why_skipped(method: str, device: str) -> str | None:
 
 
 def prepare_cache(files: list[str], cache: str) -> None:
-    """Drop ``files`` from the page cache (``cold``) or read them into it (``warm``), and check that it worked."""
-    for path in files:
-        if cache == "cold":
-            pagecache.drop(path)
-        else:
-            pagecache.warm(path)
-    for path in files:
-        resident = pagecache.resident_fraction(path)
-        if (cache == "cold" and resident > COLD_RESIDENCY) or (cache == "warm" and resident < WARM_RESIDENCY):
-            raise BenchmarkError(
-                f"{path}: {resident:.0%} resident in the page cache after preparing a {cache} run; the figure would be "
-                "wrong"
-            )
+    """Drop ``files`` from the page cache (``cold``) or read them into it (``warm``), and check that it worked.
+
+    A file the kernel partly evicts again under memory pressure (seen on a 2-CPU CI machine: 97 % of 1 GiB
+    resident just after reading it) is prepared again, up to :data:`PREPARE_TRIES` times in all; one still
+    off then raises :class:`BenchmarkError` with its residency and the memory the kernel said was available.
+    """
+    pending = list(files)
+    for _ in range(PREPARE_TRIES):
+        for path in pending:
+            if cache == "cold":
+                pagecache.drop(path)
+            else:
+                pagecache.warm(path)
+        pending = [path for path in pending if not _prepared(path, cache)]
+        if not pending:
+            return
+    path = pending[0]
+    raise BenchmarkError(
+        f"{path}: {pagecache.resident_fraction(path):.0%} resident in the page cache after preparing a {cache} run "
+        f"{PREPARE_TRIES} times ({_available_memory()}); the figure would be wrong"
+    )
+
+
+def _prepared(path: str, cache: str) -> bool:
+    resident = pagecache.resident_fraction(path)
+    return resident <= COLD_RESIDENCY if cache == "cold" else resident >= WARM_RESIDENCY
+
+
+def _available_memory() -> str:
+    with contextlib.suppress(OSError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return f"{int(line.split()[1]) / 2**20:.1f} GiB available"
+    return "available memory unknown"
 
 
 def run_worker(device: str, method: str, uri: str, files: list[str]) -> dict:
