@@ -390,6 +390,24 @@ def test_without_a_rank_a_world_of_several_is_refused(tmp_path: Path, no_leaks):
 # Crashes, concurrency, a full disk
 
 
+def saved_seconds(printed: str) -> list[float]:
+    """The durations ``tests.sharded_saver`` printed (``saved SECONDS`` lines)."""
+    return [float(line.split()[1]) for line in printed.splitlines() if line.startswith("saved ")]
+
+
+def calibrated_save_seconds(directory: Path) -> float:
+    """How long one save of ``tests.sharded_saver`` takes on this machine now (the longest of three)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.sharded_saver", str(directory), "2", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return max(saved_seconds(done.stdout))
+
+
 def listing(directory: Path) -> list[str]:
     return sorted(os.listdir(directory))
 
@@ -400,7 +418,8 @@ def test_sigkill_at_random_points_leaves_the_old_state_or_nothing_loadable(tmp_p
     weightstream.save_sharded_state(old, tmp_path, rank=0, world_size=1, max_file_bytes=256 << 10)
     rng = random.Random(5)
     outcomes = {"old": 0, "refused": 0, "new": 0}
-    for attempt in range(40):  # each kill lands before a save (old), mid-way (refused) or after one (new)
+    save_seconds = calibrated_save_seconds(tmp_path / "calibration")
+    for attempt in range(60):  # each kill lands before a save (old), mid-way (refused) or after one (new)
         saver = subprocess.Popen(
             [sys.executable, "-m", "tests.sharded_saver", str(tmp_path), "2", "3"],
             cwd=ROOT,
@@ -408,9 +427,10 @@ def test_sigkill_at_random_points_leaves_the_old_state_or_nothing_loadable(tmp_p
             text=True,
         )
         assert saver.stdout.readline() == "ready\n"
-        time.sleep(rng.uniform(0, 0.12))  # a save takes about 40 ms here
+        time.sleep(rng.uniform(0, 2.5 * save_seconds))  # the three saves span about 3 save times
         saver.send_signal(signal.SIGKILL)
-        saver.communicate()
+        printed, _ = saver.communicate()
+        save_seconds = max(saved_seconds(printed), default=save_seconds)  # the machine's pace now: follow it
         try:
             loaded = weightstream.load_weights(tmp_path, format="sharded-state", verify=True)
         except weightstream.IncompleteSaveError:

@@ -269,11 +269,16 @@ class _Peers:
         self._dist = dist
         self._group = group
         self._status = torch.zeros(1, dtype=torch.int32, device=device)
+        self._alone = dist.get_world_size(group) == 1
+        """A group of one has no peer to tell or share with: no collective runs (gloo's worker thread would
+        keep the last broadcast's view, and so the whole file's arena, until it next runs)."""
         self.finished = False
         self._between_chunks = True  # the peers' next collective is a status round
 
     def share(self, view: torch.Tensor, owner: int, number: int, count: int, uri: str) -> None:
         """The status round, then ``view`` broadcast from ``owner`` (its bytes land in place here)."""
+        if self._alone:
+            return
         self._status.fill_(0)
         self._between_chunks = False
         try:
@@ -300,7 +305,7 @@ class _Peers:
 
     def leave(self) -> None:
         """Leaving before the end: tell the peers in the status round they wait in (when they wait in one)."""
-        if self.finished or not self._between_chunks:
+        if self._alone or self.finished or not self._between_chunks:
             return
         self._status.fill_(1)
         with contextlib.suppress(RuntimeError):  # the peers may be gone already
