@@ -32,6 +32,9 @@ BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
 
 ENGINE_TIMEOUT = 600
 """Seconds an engine's process may run in a test."""
+ENGINE_TEST_TIMEOUT = 1800
+"""Seconds an engine test may take: the first one builds the environment (pip, up to 1200 s a command on a busy
+machine), then runs the engine."""
 
 
 def run_in_engine(python: str, module: str, argument: str, environment: dict[str, str] | None = None) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.cache_daemon import Daemon, places, remove
+from tests.engine_envs import ENGINE_TEST_TIMEOUT
 
 FORMATS = [
     "weightstream",
@@ -23,6 +24,8 @@ FORMATS = [
     "weightstream-sharded-state",
     "weightstream-streaming",
 ]
+
+pytestmark = pytest.mark.timeout(ENGINE_TEST_TIMEOUT)  # the first test builds the engine environment
 
 
 def converted(model: Path, directory: Path) -> Path:

@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 
 from tests.cache_daemon import Daemon, places, remove, stats
-from tests.engine_envs import ENGINE_TIMEOUT, run_in_engine
+from tests.engine_envs import ENGINE_TEST_TIMEOUT, ENGINE_TIMEOUT, run_in_engine
 
 ROOT = Path(__file__).parent.parent
+
+pytestmark = pytest.mark.timeout(ENGINE_TEST_TIMEOUT)  # the first test builds the engine environment
 
 
 @pytest.fixture(scope="module")

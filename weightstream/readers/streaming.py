@@ -5,8 +5,10 @@ The checkpoint is cut into batches: runs of adjacent tensors of up to ``chunk_by
 request), or one larger tensor (several requests into its own buffer). A batch gets its memory
 when it enters the window and leaves the window when its last tensor has been yielded; from then
 on its memory belongs to the caller's tensors alone, so a caller that drops each tensor holds the
-process to ``max_inflight_bytes`` above its baseline. Batches enter in file order while they fit;
-their requests run on ``threads`` reader threads, each landing straight in the batch's memory.
+process to ``max_inflight_bytes`` above its baseline. Batches enter in file order while they fit,
+but for a lead batch of small tensors that enters first (its read completes first, so the first
+tensor does not wait for a wave of full-size requests); their requests run on ``threads`` reader
+threads, each landing straight in the batch's memory.
 
 Cleanup follows the host reader: the first failure stops the readers, every source is closed,
 the window's memory is released, and no thread outlives the generator.
@@ -48,25 +50,56 @@ class Batch:
     layout: FileLayout
 
 
-def plan_batches(plan: LoadPlan, chunk_bytes: int) -> list[Batch]:
+def plan_batches(plan: LoadPlan, chunk_bytes: int, lead_bytes: int | None = None) -> list[Batch]:
     """Cut each file's selected tensors into batches, in file order, then offset order.
+
+    With ``lead_bytes``, the first run of tensors of at most that size each (and together; at most
+    ``chunk_bytes``), in the first file, is a batch of its own and comes first: its one small read is the first to complete
+    while the others share the bandwidth, so the first tensor lands after about ``lead_bytes`` times
+    the readers' count, not after the first wave of full-size requests (a checkpoint often starts
+    with its largest tensor, the embedding).
 
     Example:
         >>> specs = [TensorSpec(f"w{i}", torch.uint8, (3000,), "f", 8 + 3000 * i, 3000) for i in range(3)]
         >>> plan = LoadPlan("f", (), tuple(specs))
         >>> [[spec.name for spec, _ in batch.layout.tensor_offsets] for batch in plan_batches(plan, 8192)]
         [['w0', 'w1'], ['w2']]
+        >>> [[spec.name for spec, _ in batch.layout.tensor_offsets] for batch in plan_batches(plan, 8192, 4096)]
+        [['w0'], ['w1', 'w2']]
     """
-    batches = []
+    batches: list[Batch] = []
+    lead: list[Batch] = []
     for file_number, path in enumerate(dict.fromkeys(spec.file for spec in plan.tensors)):
-        group: list[TensorSpec] = []
-        for spec in plan.tensors_of(path):
-            if group and sum(t.nbytes for t in group) + spec.nbytes > chunk_bytes:
-                batches.append(Batch(file_number, layout_file(group, chunk_bytes)))
-                group = []
-            group.append(spec)
-        if group:
+        specs = list(plan.tensors_of(path))
+        if lead_bytes is not None and file_number == 0:
+            first, end = _lead_run(specs, min(lead_bytes, chunk_bytes))
+            lead = _cut(file_number, specs[first:end], chunk_bytes)
+            batches += _cut(file_number, specs[:first], chunk_bytes)
+            specs = specs[end:]
+        batches += _cut(file_number, specs, chunk_bytes)
+    return lead + batches
+
+
+def _lead_run(specs: list[TensorSpec], lead_bytes: int) -> tuple[int, int]:
+    """Where the first run of tensors of at most ``lead_bytes`` each and together starts and ends in ``specs``."""
+    first = next((number for number, spec in enumerate(specs) if spec.nbytes <= lead_bytes), len(specs))
+    end, total = first, 0
+    while end < len(specs) and total + specs[end].nbytes <= lead_bytes:
+        total += specs[end].nbytes
+        end += 1
+    return first, end
+
+
+def _cut(file_number: int, specs: list[TensorSpec], chunk_bytes: int) -> list[Batch]:
+    """``specs`` (of one file, in offset order) in batches of up to ``chunk_bytes``, or one larger tensor."""
+    batches, group = [], []
+    for spec in specs:
+        if group and sum(t.nbytes for t in group) + spec.nbytes > chunk_bytes:
             batches.append(Batch(file_number, layout_file(group, chunk_bytes)))
+            group = []
+        group.append(spec)
+    if group:
+        batches.append(Batch(file_number, layout_file(group, chunk_bytes)))
     return batches
 
 
@@ -169,7 +202,7 @@ def read_windowed(
     """The window's read loop: batches of ``chunk_bytes`` requests get memory from ``landing`` as they
     enter a window of ``window`` bytes, and leave it with their last yielded tensor. Every resource is
     registered with ``cleanup``, which the caller closes (after its own, registered earlier)."""
-    batches = plan_batches(plan, chunk_bytes)
+    batches = plan_batches(plan, chunk_bytes, lead_bytes=max(PAGE, chunk_bytes // opts.reader_threads))
     paths = list(dict.fromkeys(spec.file for spec in plan.tensors))
     specs = {spec.path: spec for spec in plan.files}
     files = cleanup.enter_context(FileHandles(store, opts))
