@@ -184,7 +184,7 @@ def test_the_example_runs_as_written(block: Block, fixtures: Path, cache_socket:
 
 def test_few_examples_are_left_unrun():
     unrun = [str(block) for block in BLOCKS if block.directive.startswith("not run")]
-    assert len(unrun) <= 9, unrun
+    assert len(unrun) <= 10, unrun  # the 10th: docs/engines.md's vLLM recipe, checked line by line in test_engines
     assert 2 * (len(BLOCKS) - len(unrun)) >= 3 * len(unrun), "most examples run"
 
 

@@ -148,3 +148,86 @@ def test_move_parameter_keeps_a_subclass():
     weight._tag = "kept"
     move_parameter(weight, "meta")
     assert type(weight) is Tagged and weight.tag == "kept" and weight.device.type == "meta"
+
+
+@pytest.mark.parametrize(("version", "warned"), [("0.32.0", False), ("0.99.1", True)])
+def test_a_vllm_outside_the_checked_versions_is_warned_about_once(monkeypatch, caplog, version, warned):
+    """A stand-in ``vllm`` module carries the version (vLLM itself runs in tests/test_vllm.py)."""
+    import types
+
+    from weightstream.engines import vllm_private
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
+    vllm_private.checked_version.cache_clear()
+    with caplog.at_level("WARNING", logger="weightstream"):
+        assert [vllm_private.checked_version(), vllm_private.checked_version()] == [not warned] * 2
+    vllm_private.checked_version.cache_clear()
+    expected = (
+        [
+            (
+                f"vLLM {version}: weightstream's vLLM adapter was checked on vLLM 0.32.0; it uses vLLM internals "
+                "(ShardedStateLoader._filter_subtensors) that may differ in this version"
+            )
+        ]
+        if warned
+        else []
+    )
+    assert [record.getMessage() for record in caplog.records] == expected
+
+
+@pytest.mark.parametrize(("version", "warned"), [("0.5.23", False), ("0.6.0", True)])
+def test_an_sglang_outside_the_checked_versions_is_warned_about_once(monkeypatch, caplog, version, warned):
+    from weightstream.engines import sglang_private
+
+    monkeypatch.setattr(sglang_private.metadata, "version", lambda name: version)
+    sglang_private.checked_version.cache_clear()
+    with caplog.at_level("WARNING", logger="weightstream"):
+        assert [sglang_private.checked_version(), sglang_private.checked_version()] == [not warned] * 2
+    sglang_private.checked_version.cache_clear()
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == (
+        [
+            (
+                f"SGLang {version}: weightstream's SGLang adapter was checked on SGLang 0.5.23; it uses "
+                "SGLang internals (its model loader's helpers) that may differ in this version"
+            )
+        ]
+        if warned
+        else []
+    )
+
+
+def test_the_engines_private_names_are_used_only_in_their_private_modules():
+    root = Path(__file__).parent.parent / "weightstream" / "engines"
+    private = (  # what the adapters reach into: the engines' model-loader internals
+        "._filter_subtensors",
+        "_get_quantization_config",
+        "_initialize_model",
+        "LoadConfig._verify_load_format",
+        "sglang.srt.model_loader.loader import",
+        "sglang.srt.model_loader.utils",
+        "sglang.srt.distributed import",
+        "vllm.model_executor.model_loader.sharded_state_loader",
+    )
+    for module in sorted(root.glob("*.py")):
+        if module.name in ("vllm_private.py", "sglang_private.py"):
+            continue
+        text = module.read_text()
+        assert not [name for name in private if name in text], module.name
+
+
+def test_the_documented_vllm_recipe_is_what_the_vllm_tests_install():
+    """docs/engines.md's install lines are the ones tests/engine_envs.py runs for tests/test_vllm.py."""
+    import re
+
+    from tests.engine_envs import BROKEN_BESIDE_CPU_TORCH, VLLM
+
+    text = (Path(__file__).parent.parent / "docs" / "engines.md").read_text()
+    recipe = re.search(r"tests/engine_envs.py installs these same pins.*?\n```bash\n(.*?)\n```", text, re.DOTALL)
+    assert recipe is not None, "docs/engines.md lost its vLLM install recipe"
+    lines = recipe.group(1).splitlines()
+    assert lines[1:] == [
+        f"pip install {' '.join(VLLM)}",
+        f"pip uninstall -y {' '.join(BROKEN_BESIDE_CPU_TORCH)}",
+        "pip install 'weightstream[s3]'",
+    ]

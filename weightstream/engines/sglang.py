@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 import weightstream
+from weightstream.engines import sglang_private
 from weightstream.engines.adapter import LoaderSettings, named_for, timed_load
 from weightstream.engines.common import (
     check_filled,
@@ -50,8 +51,6 @@ from weightstream.engines.writes import WriteRecorder
 from weightstream.errors import UnknownFormatError, logger
 
 INSTALL = "pip install sglang"
-VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
-"""The method SGLang checks ``--load-format`` strings with; our AROUND hook maps our names to classes."""
 
 log = logger(__name__)
 
@@ -67,7 +66,7 @@ def register() -> None:
     choices = import_engine("sglang.srt.arg_groups.choices", INSTALL)
     hooks = import_engine("sglang.srt.plugins.hook_registry", INSTALL)
     choices.add_load_format_choices([name for name in engine_formats() if name not in choices.LOAD_FORMAT_CHOICES])
-    hooks.HookRegistry.register(VERIFY_LOAD_FORMAT, _verify_load_format, hooks.HookType.AROUND)
+    hooks.HookRegistry.register(sglang_private.VERIFY_LOAD_FORMAT, _verify_load_format, hooks.HookType.AROUND)
 
 
 def loader_class(load_format: str = "weightstream") -> type:
@@ -135,33 +134,25 @@ def _loader_class(load_format: str, weightstream_format: str) -> type:
 
 def _build(load_config: Any, model_config: Any, device: torch.device, *, on_meta: bool = False) -> torch.nn.Module:
     """The model as SGLang's own loaders build it: its quantization config, default dtype, on ``device``."""
-    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
-
-    quantization = _get_quantization_config(model_config, load_config)
     with (
-        set_default_torch_dtype(model_config.dtype),
+        sglang_private.default_dtype(model_config.dtype),
         device,
         parameters_on_meta() if on_meta else contextlib.nullcontext(),
     ):
-        return _initialize_model(model_config, load_config, quantization)
+        return sglang_private.initialize_model(model_config, load_config)
 
 
 def _load_checkpoint(
     load_config: Any, model_config: Any, device_config: Any, uri: str, weightstream_format: str, options: dict[str, Any]
 ) -> torch.nn.Module:
     """Through the model's own ``load_weights`` (its weight loaders shard and fuse), checked, then post-processed."""
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
-
     device = _target_device(device_config)
     model = _build(load_config, model_config, device)
     weightstream_format, options = checkpoint_reading(device, uri, weightstream_format, options)
     if weightstream_format == "distributed":
-        from sglang.srt.distributed import parallel_state
-
-        options = with_world_group(options, parallel_state, device)
+        options = with_world_group(options, sglang_private.parallel_state(), device)
     with (
-        set_default_torch_dtype(model_config.dtype),
+        sglang_private.default_dtype(model_config.dtype),
         WriteRecorder() as writes,
         weight_batches(uri, weightstream_format, device, options) as batches,
     ):
@@ -176,12 +167,10 @@ def _load_layered(
 ) -> torch.nn.Module:
     """Parameters on meta; each layer's parameters get memory just before the layer is loaded (its key is
     its module's path: ``model.layers.3``), one ``load_weights`` call per layer."""
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
-
     device = _target_device(device_config)
     model = _build(load_config, model_config, device, on_meta=True)
     layers = weightstream.iter_layers(uri, device=str(device), **options)
-    with set_default_torch_dtype(model_config.dtype), WriteRecorder() as writes, contextlib.closing(layers):
+    with sglang_private.default_dtype(model_config.dtype), WriteRecorder() as writes, contextlib.closing(layers):
         for key, tensors in layers:
             writes.forget(materialise(model, key, device))
             model.load_weights(list(tensors.items()))
@@ -192,15 +181,13 @@ def _load_layered(
 def _check_and_postprocess(
     model: torch.nn.Module, model_config: Any, writes: WriteRecorder, uri: str, device: torch.device
 ) -> None:
-    from sglang.srt.model_loader.loader import DefaultModelLoader
-
     parameters = dict(model.named_parameters())
     if model_config.quantization is None:
         unfilled = set(writes.unfilled(parameters))
     else:  # quantization methods fill their parameters in ways of their own; one still on meta was never given memory
         unfilled = {name for name, parameter in parameters.items() if parameter.device.type == "meta"}
     check_filled(parameters, set(parameters) - unfilled, uri)
-    DefaultModelLoader.postprocess_weights(model, device)
+    sglang_private.postprocess_weights(model, device)
 
 
 def _load_sharded_state(
@@ -208,19 +195,16 @@ def _load_sharded_state(
 ) -> torch.nn.Module:
     """As SGLang's ``sharded_state``: the model built and its quantization methods' post-processing run
     first (the state was saved after it), then this rank's tensors copied into its state dict."""
-    from sglang.srt.distributed import parallel_state
-    from sglang.srt.model_loader.loader import ShardedStateLoader, post_load_weights
-
     device = _target_device(device_config)
     model = _build(load_config, model_config, device)
     for _, module in model.named_modules():
         quant_method = getattr(module, "quant_method", None)
         if quant_method is not None:
             quant_method.process_weights_after_loading(module)
-    rank, world_size, pattern = sharded_rank(parallel_state)
-    state = ShardedStateLoader._filter_subtensors(model.state_dict())
+    rank, world_size, pattern = sharded_rank(sglang_private.parallel_state())
+    state = sglang_private.filter_subtensors(model.state_dict())
     load_sharded_state_into(state, uri, rank=rank, world_size=world_size, pattern=pattern, options=options)
-    post_load_weights(model)
+    sglang_private.post_load_weights(model)
     return model
 
 

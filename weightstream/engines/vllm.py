@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import weightstream
+from weightstream.engines import vllm_private
 from weightstream.engines.adapter import LoaderSettings, named_for, timed_load
 from weightstream.engines.common import (
     check_filled,
@@ -99,7 +100,10 @@ def _loader_class(base: type, load_format: str, weightstream_format: str) -> typ
                 _save_model_state(model, os.fspath(self.save_to), DEFAULT_MAX_FILE_BYTES)
 
         def _located(self, model_config: Any) -> tuple[str, dict[str, Any]]:
-            return self.settings.located(model_config.model, model_config.revision, self.load_config.download_dir)
+            # `--model s3://...`: vLLM pulls the config to a local directory (its `model` then) and keeps the URI
+            # it was given as `model_weights`; the weights are read there.
+            model = getattr(model_config, "model_weights", "") or model_config.model
+            return self.settings.located(model, model_config.revision, self.load_config.download_dir)
 
     return named_for(WeightstreamModelLoader, load_format)
 
@@ -135,10 +139,8 @@ def _filled_by(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor
 def _load_sharded_state(model: torch.nn.Module, uri: str, options: dict[str, Any]) -> None:
     """Into the model's state dict, as vLLM's ``sharded_state`` does: this worker's files, each tensor
     copied into its parameter, every parameter filled."""
-    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
-
     rank, world_size, pattern = _sharded_rank()
-    state = ShardedStateLoader._filter_subtensors(model.state_dict())
+    state = vllm_private.filter_subtensors(model.state_dict())
     load_sharded_state_into(state, uri, rank=rank, world_size=world_size, pattern=pattern, options=options)
 
 
@@ -166,10 +168,8 @@ def _save_worker_state(worker: Any, directory: str, max_file_bytes: int) -> None
 
 def _save_model_state(model: torch.nn.Module, directory: str, max_file_bytes: int) -> None:
     """This worker's state dict (shared views dropped, as vLLM's own saver does) as its rank's files."""
-    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
-
     rank, world_size, pattern = _sharded_rank()
-    state = ShardedStateLoader._filter_subtensors(model.state_dict())
+    state = vllm_private.filter_subtensors(model.state_dict())
     weightstream.save_sharded_state(
         state, directory, rank=rank, world_size=world_size, pattern=pattern, max_file_bytes=max_file_bytes
     )
