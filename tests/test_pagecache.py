@@ -68,3 +68,16 @@ def test_bench_refuses_a_file_that_stays_out_of_the_page_cache(tmp_path: Path, m
         r"\([0-9.]+ GiB available\); the figure would be wrong",
     ):
         runner.prepare_cache([str(path)], "warm")
+
+
+def test_a_sampled_residency_tells_a_half_cached_file_from_a_cached_and_a_dropped_one(tmp_path: Path):
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(256 << 20))
+    warm(str(path))
+    assert resident_fraction(str(path), sampled=True) == 1.0
+    drop(str(path))
+    assert resident_fraction(str(path), sampled=True) < 0.02
+    with open(path, "rb") as file:  # the first half read back in
+        file.read(128 << 20)
+    assert 0.4 < resident_fraction(str(path), sampled=True) < 0.6
+    assert 0.45 < resident_fraction(str(path)) < 0.55

@@ -54,9 +54,9 @@ def plan_batches(plan: LoadPlan, chunk_bytes: int, lead_bytes: int | None = None
     """Cut each file's selected tensors into batches, in file order, then offset order.
 
     With ``lead_bytes``, the first run of tensors of at most that size each (and together; at most
-    ``chunk_bytes``), in the first file, is a batch of its own and comes first: its one small read is the first to complete
-    while the others share the bandwidth, so the first tensor lands after about ``lead_bytes`` times
-    the readers' count, not after the first wave of full-size requests (a checkpoint often starts
+    ``chunk_bytes``), in the first file, is a batch of its own and comes first: its one small read is
+    the first to complete while the others share the bandwidth, so the first tensor lands after about
+    ``lead_bytes`` times the readers' count, not after the first wave of full-size requests (a checkpoint often starts
     with its largest tensor, the embedding).
 
     Example:

@@ -83,7 +83,9 @@ class LocalFile:
             except OSError as error:
                 raise UnsupportedInputError(f"{name}: the descriptor passed cannot be read: {error.strerror}") from None
             wanted = (
-                direct if direct != "auto" else fd_resident_fraction(fd, status.st_size, name) < DIRECT_BELOW_RESIDENCY
+                direct
+                if direct != "auto"
+                else fd_resident_fraction(fd, status.st_size, name, sampled=True) < DIRECT_BELOW_RESIDENCY
             )
             if bool(wanted) != bool(flags & os.O_DIRECT):
                 try:
@@ -191,7 +193,7 @@ class LocalStore:
         if direct != "auto":
             return bool(direct)
         path = _path(uri)
-        if resident_fraction(path) >= DIRECT_BELOW_RESIDENCY:
+        if resident_fraction(path, sampled=True) >= DIRECT_BELOW_RESIDENCY:
             return False
         try:
             fd, _ = open_regular(path, os.O_DIRECT)

@@ -38,12 +38,13 @@ MAX_WINDOWS = 1024
 time is bounded too (the kernel takes about 45 ns a page: 0.75 s at most)."""
 
 
-def resident_fraction(path: str) -> float:
+def resident_fraction(path: str, *, sampled: bool = False) -> float:
     """The fraction of ``path``'s pages in the page cache (``mincore``), probed in bounded windows.
 
     Memory and time are bounded whatever size the file claims (a sparse 2 TiB file costs one 16 KiB
     vector and under a second); only one descriptor is held, for the call. A file that is not a regular
     file raises :class:`UnsupportedInputError`, one the kernel will not map :class:`SourceError`, naming it.
+    ``sampled=True`` estimates it from :data:`SAMPLE_WINDOWS` windows (what ``direct_io="auto"`` decides by).
 
     Example:
         >>> resident_fraction(__file__) > 0  # doctest: +SKIP
@@ -51,27 +52,31 @@ def resident_fraction(path: str) -> float:
     """
     fd, status = open_regular(path)
     try:
-        return fd_resident_fraction(fd, status.st_size, path)
+        return fd_resident_fraction(fd, status.st_size, path, sampled=sampled)
     finally:
         os.close(fd)
 
 
-def fd_resident_fraction(fd: int, size: int, path: str) -> float:
-    """:func:`resident_fraction` of an open file of ``size`` bytes (``path`` names it in errors)."""
+SAMPLE_WINDOW_BYTES = 1 << 20
+SAMPLE_WINDOWS = 64
+"""How :func:`fd_resident_fraction` estimates with ``sampled=True``: 64 evenly spaced 1 MiB windows (16,384
+pages, about 2 ms), where probing every page of a warm 2 GiB file took 40 ms before its first read."""
+
+
+def fd_resident_fraction(fd: int, size: int, path: str, *, sampled: bool = False) -> float:
+    """:func:`resident_fraction` of an open file of ``size`` bytes (``path`` names it in errors); with
+    ``sampled``, an estimate from :data:`SAMPLE_WINDOWS` evenly spaced windows (enough to choose how to read)."""
     if size == 0:
         return 1.0
     page = mmap.PAGESIZE
-    windows = (size + WINDOW_BYTES - 1) // WINDOW_BYTES
-    chosen = (
-        range(windows)
-        if windows <= MAX_WINDOWS
-        else sorted({number * windows // MAX_WINDOWS for number in range(MAX_WINDOWS)})
-    )
-    vector = (ctypes.c_ubyte * (WINDOW_BYTES // page))()
+    window_bytes, most = (SAMPLE_WINDOW_BYTES, SAMPLE_WINDOWS) if sampled else (WINDOW_BYTES, MAX_WINDOWS)
+    windows = (size + window_bytes - 1) // window_bytes
+    chosen = range(windows) if windows <= most else sorted({number * windows // most for number in range(most)})
+    vector = (ctypes.c_ubyte * (window_bytes // page))()
     resident = probed = 0
     for number in chosen:
-        offset = number * WINDOW_BYTES
-        length = min(WINDOW_BYTES, size - offset)
+        offset = number * window_bytes
+        length = min(window_bytes, size - offset)
         pages = (length + page - 1) // page
         try:
             address = map_file(fd, length, mmap.PROT_READ, offset)
