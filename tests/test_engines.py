@@ -231,3 +231,24 @@ def test_the_documented_vllm_recipe_is_what_the_vllm_tests_install():
         f"pip uninstall -y {' '.join(BROKEN_BESIDE_CPU_TORCH)}",
         "pip install 'weightstream[s3]'",
     ]
+
+
+@pytest.mark.parametrize(
+    ("model", "model_weights", "read"),
+    [("/tmp/vllm-config-copy", "s3://bucket/llama", "s3://bucket/llama"), ("/models/llama", "", "/models/llama")],
+)
+def test_vllm_loaders_read_the_weights_where_vllm_was_told_they_are(model, model_weights, read):
+    """``--model s3://...``: vLLM puts the config in a local directory (``model``) and keeps the URI as
+    ``model_weights``. A stand-in base class and config carry vLLM's attributes (vLLM runs in tests/test_vllm.py)."""
+    import types
+
+    from weightstream.engines.vllm import _loader_class
+
+    class Base:
+        def __init__(self, load_config):
+            self.load_config = load_config
+
+    loader_class = _loader_class(Base, "weightstream", "auto")
+    loader = loader_class(types.SimpleNamespace(model_loader_extra_config={"threads": 4}, download_dir=None))
+    config = types.SimpleNamespace(model=model, model_weights=model_weights, revision=None)
+    assert loader._located(config) == (read, {"threads": 4})
