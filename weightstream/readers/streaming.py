@@ -92,12 +92,13 @@ def _lead_run(specs: list[TensorSpec], lead_bytes: int) -> tuple[int, int]:
 
 def _cut(file_number: int, specs: list[TensorSpec], chunk_bytes: int) -> list[Batch]:
     """``specs`` (of one file, in offset order) in batches of up to ``chunk_bytes``, or one larger tensor."""
-    batches, group = [], []
+    batches, group, grouped = [], [], 0
     for spec in specs:
-        if group and sum(t.nbytes for t in group) + spec.nbytes > chunk_bytes:
+        if group and grouped + spec.nbytes > chunk_bytes:
             batches.append(Batch(file_number, layout_file(group, chunk_bytes)))
-            group = []
+            group, grouped = [], 0
         group.append(spec)
+        grouped += spec.nbytes
     if group:
         batches.append(Batch(file_number, layout_file(group, chunk_bytes)))
     return batches
