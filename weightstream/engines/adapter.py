@@ -1,5 +1,6 @@
 """What the vLLM and SGLang loader classes share: their settings from the engine's extra loader config, the model's
-location resolved once per loader, the log line of a load's time, and the class's name."""
+location resolved once per loader, the log line of a load's time, the class's name, and the warning for an engine
+version never checked."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from weightstream.engines.common import loader_options, model_weights
+from weightstream.errors import logger
+
+log = logger(__name__)
 
 
 class LoaderSettings:
@@ -31,6 +35,30 @@ class LoaderSettings:
         if self._located is None:
             self._located = model_weights(self.uri or model, revision, download_dir, self.options)
         return self._located
+
+
+def version_checked(engine: str, version: str, checked: tuple[str, ...], internals: str) -> bool:
+    """Whether ``version`` of ``engine`` is one the adapter's uses of its ``internals`` were run on; a WARNING
+    naming it when not (callers cache the answer: once a process).
+
+    Example:
+        >>> version_checked("SGLang", "0.5.23", ("0.5.23",), "its model loader's helpers")
+        True
+    """
+    if version in checked:
+        return True
+    log.warning(
+        "%s %s: weightstream's %s adapter was checked on %s %s; it uses %s internals (%s) that may differ in this "
+        "version",
+        engine,
+        version,
+        engine,
+        engine,
+        ", ".join(checked),
+        engine,
+        internals,
+    )
+    return False
 
 
 @contextlib.contextmanager

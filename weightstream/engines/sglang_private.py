@@ -20,14 +20,12 @@ from typing import Any
 
 import torch
 
-from weightstream.errors import logger
+from weightstream.engines.adapter import version_checked
 
 CHECKED = ("0.5.23",)
 """The SGLang versions (its distribution's) the uses below were run on."""
 VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
 """The method SGLang checks ``--load-format`` strings with; the adapter's AROUND hook maps our names to classes."""
-
-log = logger(__name__)
 
 
 @functools.cache
@@ -37,15 +35,7 @@ def checked_version() -> bool:
         version = metadata.version("sglang")
     except metadata.PackageNotFoundError:
         version = "unknown"
-    if version in CHECKED:
-        return True
-    log.warning(
-        "SGLang %s: weightstream's SGLang adapter was checked on SGLang %s; it uses SGLang internals (its model "
-        "loader's helpers) that may differ in this version",
-        version,
-        ", ".join(CHECKED),
-    )
-    return False
+    return version_checked("SGLang", version, CHECKED, "its model loader's helpers")
 
 
 def initialize_model(model_config: Any, load_config: Any) -> torch.nn.Module:

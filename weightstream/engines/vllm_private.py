@@ -17,12 +17,10 @@ from typing import Any
 
 import torch
 
-from weightstream.errors import logger
+from weightstream.engines.adapter import version_checked
 
 CHECKED = ("0.32.0",)
 """The vLLM versions (``vllm.__version__``) the uses below were run on."""
-
-log = logger(__name__)
 
 
 @functools.cache
@@ -30,16 +28,9 @@ def checked_version() -> bool:
     """Whether the installed vLLM is one of :data:`CHECKED` (a WARNING, once, when not)."""
     import vllm
 
-    version = getattr(vllm, "__version__", "unknown")
-    if version in CHECKED:
-        return True
-    log.warning(
-        "vLLM %s: weightstream's vLLM adapter was checked on vLLM %s; it uses vLLM internals "
-        "(ShardedStateLoader._filter_subtensors) that may differ in this version",
-        version,
-        ", ".join(CHECKED),
+    return version_checked(
+        "vLLM", getattr(vllm, "__version__", "unknown"), CHECKED, "ShardedStateLoader._filter_subtensors"
     )
-    return False
 
 
 def filter_subtensors(state: dict[str, torch.Tensor]) -> dict[str, Any]:
